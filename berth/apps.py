@@ -1,0 +1,13 @@
+from django.apps import AppConfig
+
+
+class BerthConfig(AppConfig):
+    """The project package as an app: its management commands (bootstrap, serve) and templates."""
+
+    name = "berth"
+    verbose_name = "Berth"
+
+    def ready(self) -> None:
+        from berth import broker
+
+        broker.prepare()

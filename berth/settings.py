@@ -1,0 +1,197 @@
+"""Berth's settings: every value comes from the environment through ``berth.env``.
+
+With nothing set, Berth runs embedded: SQLite and a file-system Celery broker under the data
+directory, a secret key generated once into it. ``DATABASE_URL`` and ``REDIS_URL`` switch to
+PostgreSQL and Redis; outside the embedded mode ``BERTH_SECRET_KEY`` must be given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from berth import env
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DATA_DIR = env.path("BERTH_DATA_DIR", Path("var"), BASE_DIR)
+DEBUG = env.boolean("BERTH_DEBUG", False)
+
+DATABASE_URL = env.url("DATABASE_URL", ("postgres", "postgresql", "sqlite"))
+REDIS_URL = env.url("REDIS_URL", ("redis", "rediss", "unix"))
+EMBEDDED = DATABASE_URL is None
+
+SECRET_KEY = env.string("BERTH_SECRET_KEY")
+if SECRET_KEY is None:
+    if not EMBEDDED:
+        raise ImproperlyConfigured(
+            "BERTH_SECRET_KEY (or BERTH_SECRET_KEY_FILE) is required when DATABASE_URL is set: "
+            "every web process must share one key. Generate one with "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(50))'`."
+        )
+    SECRET_KEY = env.persistent_secret(DATA_DIR / "secret_key")
+elif len(SECRET_KEY) < 32:
+    raise ImproperlyConfigured("BERTH_SECRET_KEY is shorter than 32 characters: use a long random value.")
+
+ALLOWED_HOSTS = env.words("BERTH_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env.words("BERTH_CSRF_TRUSTED_ORIGINS", [])
+HTTPS = env.boolean("BERTH_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HTTPS
+SESSION_COOKIE_HTTPONLY = True
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "django_htmx",
+    "django_filters",
+    "django_celery_beat",
+    "berth",
+    "tenancy",
+    "scheduler",
+    "serving",
+    "gateway",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "servestatic.middleware.ServeStaticMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "berth.urls"
+ASGI_APPLICATION = "berth.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "berth.context_processors.navigation",
+            ],
+        },
+    },
+]
+
+if EMBEDDED:
+    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": DATA_DIR / "berth.sqlite3",
+                             "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"}}}
+else:
+    try:
+        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)}
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"DATABASE_URL cannot be parsed: {exc}") from exc
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+                          "LOCATION": DATA_DIR / "cache"}}
+
+# Argon2 first: new and changed passwords are hashed with it; older hashes upgrade on login.
+PASSWORD_HASHERS = [
+    "django.contrib.auth.hashers.Argon2PasswordHasher",
+    "django.contrib.auth.hashers.PBKDF2PasswordHasher",
+]
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 12}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-gb"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "static"
+# ServeStatic (WhiteNoise with native ASGI support) serves static files from the app and project folders directly: no collectstatic step.
+SERVESTATIC_USE_FINDERS = True
+SERVESTATIC_AUTOREFRESH = DEBUG
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "berth.api.exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Berth management API",
+    "DESCRIPTION": "Organisations, capacity, fleet, models and deployments. "
+                   "Inference is served separately under /v1/ (OpenAI-compatible).",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+# Celery: Redis when REDIS_URL is set, else kombu's file-system transport under the data
+# directory, which needs no server (the embedded mode). Results are kept in our own rows.
+BROKER_DIR = DATA_DIR / "broker"
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+else:
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(BROKER_DIR / "queue"),
+        "data_folder_out": str(BROKER_DIR / "queue"),
+        "processed_folder": str(BROKER_DIR / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_TIMEZONE = TIME_ZONE
+
+# Where engines are built and cached: outside the work tree, shared by every checkout.
+ENGINE_CACHE_DIR = env.path("BERTH_ENGINE_CACHE", Path.home() / ".cache" / "berth" / "engines", BASE_DIR)
+NODE_NAME = env.string("BERTH_NODE_NAME")  # defaults to the host name
+NODE_ADDRESS = env.string("BERTH_NODE_ADDRESS", "127.0.0.1")
+
+LOG_LEVEL = env.string("BERTH_LOG_LEVEL", "INFO").upper()
+if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+    raise ImproperlyConfigured(f"BERTH_LOG_LEVEL={LOG_LEVEL!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL.")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,66 @@
+"""Declared tables for the console: one line per record.
+
+A table names its columns; each column says how to read a cell from a row and, optionally, where
+the cell links. The template keeps every row on one line (headers never wrap, long text is clipped
+with the whole of it on hover) and drops columns that are empty on every row. Views prefetch what
+their columns read: a table never queries on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+Accessor = str | Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    header: str
+    value: Accessor
+    link: Callable[[Any], str | None] | None = None
+    numeric: bool = False  # right-aligned, tabular figures
+    empty: str = "—"  # shown for an absent value (unknown is not zero)
+
+    def read(self, row: Any) -> Any:
+        if callable(self.value):
+            return self.value(row)
+        value = row
+        for part in self.value.split("."):
+            value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+            if value is None:
+                return None
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    text: str
+    href: str | None
+    numeric: bool
+    absent: bool
+
+
+class Table:
+    columns: tuple[Column, ...] = ()
+    empty_message = "Nothing here yet."
+
+    def __init__(self, rows: Iterable[Any], empty_message: str | None = None):
+        self.rows = list(rows)
+        if empty_message:
+            self.empty_message = empty_message
+        raw = [[column.read(row) for column in self.columns] for row in self.rows]
+        # A column empty on every row says nothing: hide it (but keep all columns of an empty table).
+        keep = [i for i in range(len(self.columns)) if not self.rows or any(r[i] not in (None, "") for r in raw)]
+        self.visible_columns = [self.columns[i] for i in keep]
+        self.lines = [
+            [self._cell(self.columns[i], row, values[i]) for i in keep]
+            for row, values in zip(self.rows, raw)
+        ]
+
+    @staticmethod
+    def _cell(column: Column, row: Any, value: Any) -> Cell:
+        absent = value is None or value == ""
+        text = column.empty if absent else str(value)
+        href = column.link(row) if column.link and not absent else None
+        return Cell(text=text, href=href, numeric=column.numeric, absent=absent)

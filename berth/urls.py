@@ -1,0 +1,28 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from berth import health, views
+from berth.api_root import ApiRootView
+
+api_patterns = [
+    path("", ApiRootView.as_view(), name="api-root"),
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("scheduler/", include("scheduler.api.urls")),
+]
+
+urlpatterns = [
+    path("", views.DashboardView.as_view(), name="dashboard"),
+    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
+    path("api/", include(api_patterns)),
+    path("gateway/", include("gateway.urls")),
+    path("models/", include("serving.urls")),
+    path("fleet/", include("scheduler.urls")),
+    path("organisations/", include("tenancy.urls")),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole test suite against real PostgreSQL, Redis, Docker, llama-server and Chromium.
+# Called by `make test` (after the virtualenv is ready) and, through it, by CI.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=.venv/bin/python
+
+services_env=$(deploy/scripts/ensure-services.sh)  # a failure here stops the run (set -e)
+while IFS='=' read -r key value; do export "$key=$value"; done <<<"$services_env"
+
+deploy/scripts/ensure-build-tools.sh
+# Plain Python: builds (or reuses) the cached llama-server before Django is configured.
+$PY -m serving.engines.build_llamacpp
+
+export DATABASE_URL=${BERTH_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/berth}
+export REDIS_URL=${BERTH_TEST_REDIS_URL:-redis://127.0.0.1:6379/15}
+export BERTH_SECRET_KEY=test-only-secret-key-not-for-production-use-0123456789
+export BERTH_DATA_DIR=${BERTH_TEST_DATA_DIR:-$PWD/var/test}
+mkdir -p "$BERTH_DATA_DIR"
+
+set +e
+$PY -m pytest "$@"
+status=$?
+set -e
+if [ $status -eq 5 ]; then
+  echo "pytest collected no tests: that is a failure, not a pass." >&2
+  exit 1
+fi
+exit $status

@@ -1,0 +1,3 @@
+"""Management API routes of the gateway app (mounted under /api/gateway/ once it has any)."""
+
+urlpatterns: list = []

@@ -1,0 +1,1 @@
+"""Error codes of the gateway app: subclasses of ``berth.errors.BerthError``."""

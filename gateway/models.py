@@ -1,0 +1,1 @@
+"""Models of the gateway app (see the issue that builds it)."""

@@ -1,0 +1,1 @@
+"""The gateway app's verbs: views, API, commands and tasks call these."""

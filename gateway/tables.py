@@ -1,0 +1,1 @@
+"""Console tables of the gateway app (``berth.tables.Table``)."""

@@ -1,0 +1,1 @@
+"""Celery tasks of the gateway app: thin wrappers over ``gateway.services``."""

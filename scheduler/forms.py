@@ -1,0 +1,1 @@
+"""Console forms of the scheduler (cordon, drain and the fit planner come with Scheduler I)."""

@@ -1,0 +1,1 @@
+"""Celery tasks of the scheduler: thin wrappers over ``scheduler.services`` (none yet)."""

@@ -1,0 +1,46 @@
+"""What this machine is: the facts a node reports about itself when it registers.
+
+The node agent (Serving) grows this into full discovery (GPUs through the scheduler's NVML
+adapter, weights in model directories); today it reports CPUs, memory and installed engines.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from django.conf import settings
+
+import berth
+from scheduler.services import NodeReport
+from serving.engines.installed import local_engines
+
+AGENT_VERSION = getattr(berth, "__version__", "0.1.0")
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """MemTotal/MemAvailable in bytes; a field the kernel did not give is absent, not zero."""
+    values = {}
+    try:
+        with open(path) as handle:
+            for line in handle:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if key in ("MemTotal", "MemAvailable") and parts and parts[0].isdigit():
+                    values[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def local_node_report() -> NodeReport:
+    memory = meminfo()
+    return NodeReport(
+        name=settings.NODE_NAME or socket.gethostname(),
+        address=settings.NODE_ADDRESS,
+        cpu_count=os.cpu_count(),
+        memory_total_bytes=memory.get("MemTotal"),
+        memory_available_bytes=memory.get("MemAvailable"),
+        agent_version=AGENT_VERSION,
+        engines=tuple(local_engines()),
+    )

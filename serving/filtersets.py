@@ -1,0 +1,1 @@
+"""FilterSets of the serving app, shared by the console and the API."""

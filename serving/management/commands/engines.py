@@ -1,0 +1,33 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from berth.errors import BerthError
+from serving import services
+from serving.engines.installed import local_engines
+
+
+class Command(BaseCommand):
+    help = "Build and list the inference engines of this machine."
+
+    def add_arguments(self, parser):
+        sub = parser.add_subparsers(dest="action", required=True)
+        build = sub.add_parser("build", help="Build an engine (or reuse the cached build).")
+        build.add_argument("kind", choices=services.BUILDABLE_ENGINES)
+        build.add_argument("--force", action="store_true", help="Rebuild even when a cached build runs.")
+        build.add_argument("--jobs", type=int, default=None, help="Parallel compile jobs (default: CPU count).")
+        sub.add_parser("list", help="List the engines installed on this machine.")
+
+    def handle(self, *args, action, **options):
+        if action == "list":
+            engines = local_engines()
+            if not engines:
+                self.stdout.write("No engines installed. Build one with `manage.py engines build llamacpp`.")
+            for engine in engines:
+                self.stdout.write(f"{engine.kind}\t{engine.version}\t{engine.state}\t{engine.path}")
+            return
+        try:
+            engine = services.build_engine(options["kind"], force=options["force"], jobs=options["jobs"],
+                                           progress=lambda step, message: self.stdout.write(f"[{step}] {message}"))
+        except BerthError as exc:
+            raise CommandError(exc.message) from exc
+        verb = "reused" if engine.reused else "built"
+        self.stdout.write(self.style.SUCCESS(f"{engine.kind} {engine.version} {verb}: {engine.path}"))

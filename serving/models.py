@@ -1,0 +1,1 @@
+"""Models of the serving app (see the issue that builds it)."""

@@ -1,0 +1,1 @@
+"""Console tables of the serving app (``berth.tables.Table``)."""

@@ -1,0 +1,1 @@
+"""Celery tasks of the serving app: thin wrappers over ``serving.services``."""

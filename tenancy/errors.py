@@ -1,0 +1,1 @@
+"""Error codes of the tenancy app: subclasses of ``berth.errors.BerthError``."""

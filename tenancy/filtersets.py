@@ -1,0 +1,1 @@
+"""FilterSets of the tenancy app, shared by the console and the API."""

@@ -1,0 +1,1 @@
+"""Console forms of the tenancy app."""

@@ -1,0 +1,1 @@
+"""Models of the tenancy app (see the issue that builds it)."""

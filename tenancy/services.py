@@ -1,0 +1,1 @@
+"""The tenancy app's verbs: views, API, commands and tasks call these."""

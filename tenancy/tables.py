@@ -1,0 +1,1 @@
+"""Console tables of the tenancy app (``berth.tables.Table``)."""

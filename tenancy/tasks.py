@@ -1,0 +1,1 @@
+"""Celery tasks of the tenancy app: thin wrappers over ``tenancy.services``."""

@@ -1,0 +1,97 @@
+"""Fixtures shared by the whole suite: personas, generated models, a real llama-server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from serving.engines import build_llamacpp
+from tests.assets.gguf_models import ModelShape, write_gguf
+from tests.assets.llama_server import LlamaServer
+from tests.assets.smollm2 import smollm2_path
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir() -> Path:
+    """Where tests leave what a person may want to look at (screenshots, engine logs)."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary() -> Path:
+    """The cached llama-server that `make test` builds before pytest starts."""
+    engine = build_llamacpp.installed(Path(settings.ENGINE_CACHE_DIR))
+    if engine is None:
+        pytest.fail("llama-server is not built: run `make test` (or `python -m serving.engines.build_llamacpp`).")
+    return engine.path
+
+
+@pytest.fixture
+def gguf_model(tmp_path):
+    """Factory: ``gguf_model(layers=4, kv_heads=2, ...)`` writes a real model of that shape."""
+
+    def make(name: str = "model.gguf", **shape) -> Path:
+        return write_gguf(tmp_path / name, ModelShape(**shape))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", ModelShape())
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    return smollm2_path()
+
+
+def _start(binary: Path, model: Path, log_dir: Path, **options):
+    server = LlamaServer(binary, model, log_dir / f"llama-server-{model.stem}.log", **options)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def llama_server(llama_server_binary, tiny_model, artifacts_dir):
+    """A real llama-server serving a generated tiny model, for the whole session."""
+    server = _start(llama_server_binary, tiny_model, artifacts_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(llama_server_binary, smollm2_model, artifacts_dir):
+    """A real llama-server serving SmolLM2-135M-Instruct (a real chat model), behind an API key."""
+    server = _start(llama_server_binary, smollm2_model, artifacts_dir, context=2048, api_key="test-engine-key")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def admin_password() -> str:
+    return "correct-horse-battery-staple"
+
+
+@pytest.fixture
+def admin_user(django_user_model, admin_password):
+    return django_user_model.objects.create_superuser("ada", "ada@example.org", admin_password)
+
+
+@pytest.fixture
+def chromium_path() -> str:
+    path = os.environ.get("BERTH_TEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).is_file():
+        pytest.fail(f"Chromium is not at {path}: `make test` installs it (apt-get install chromium).")
+    return path
