@@ -11,7 +11,7 @@ def prepare() -> None:
     """The file-system transport needs its folders before the first message."""
     if settings.CELERY_BROKER_URL.startswith("filesystem://"):
         options = settings.CELERY_BROKER_TRANSPORT_OPTIONS
-        for key in ("data_folder_in", "data_folder_out", "processed_folder"):
+        for key in ("data_folder_in", "data_folder_out", "processed_folder", "control_folder"):
             Path(options[key]).mkdir(parents=True, exist_ok=True)
 
 
