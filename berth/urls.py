@@ -26,3 +26,6 @@ urlpatterns = [
     path("organisations/", include("tenancy.urls")),
     path("admin/", admin.site.urls),
 ]
+
+handler404 = "berth.views.not_found"
+handler500 = "berth.views.server_error"

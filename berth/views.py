@@ -1,4 +1,9 @@
 from django.contrib.auth.mixins import LoginRequiredMixin
+from django.http import JsonResponse
+from django.views.defaults import page_not_found
+from django.views.defaults import server_error as default_server_error
+
+from berth.api import error_body
 
 from berth.htmx import PageView
 
@@ -30,3 +35,21 @@ class AreaPlaceholderView(LoginRequiredMixin, PageView):
         context = super().get_context_data(**kwargs)
         context.update(title=self.title, summary=self.summary, coming=self.coming)
         return context
+
+
+def _wants_json(request) -> bool:
+    return request.path.startswith("/api/")
+
+
+def not_found(request, exception=None):
+    """Outside any view (an unknown URL): the API's error shape under /api/, a page elsewhere."""
+    if _wants_json(request):
+        return JsonResponse(error_body("not_found", "No such endpoint or object."), status=404)
+    return page_not_found(request, exception)
+
+
+def server_error(request):
+    if _wants_json(request):
+        return JsonResponse(error_body("internal_error", "Something went wrong on our side; it has been logged."),
+                            status=500)
+    return default_server_error(request)

@@ -61,3 +61,23 @@ def test_schema_and_docs_are_served_locally(client, admin_user):
     html = docs.content.decode()
     assert "swagger-ui" in html
     assert "cdn." not in html and "jsdelivr" not in html
+
+
+def test_unknown_api_url_is_a_404_in_the_error_format(client):
+    response = client.get("/api/no-such-thing/")
+    assert response.status_code == 404
+    assert response.json() == {"error": {"code": "not_found", "message": "No such endpoint or object.", "details": {}}}
+
+
+def test_unexpected_failure_is_a_500_in_the_error_format(client, admin_user, monkeypatch):
+    from scheduler.api.views import NodeViewSet
+
+    def explode(self, request, *args, **kwargs):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(NodeViewSet, "list", explode)
+    client.raise_request_exception = False
+    client.force_login(admin_user)
+    response = client.get("/api/scheduler/nodes/")
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "internal_error"
