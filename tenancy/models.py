@@ -1,1 +1,0 @@
-"""Models of the tenancy app (see the issue that builds it)."""
