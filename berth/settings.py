@@ -35,6 +35,25 @@ if SECRET_KEY is None:
 elif len(SECRET_KEY) < 32:
     raise ImproperlyConfigured("BERTH_SECRET_KEY is shorter than 32 characters: use a long random value.")
 
+# The pepper of API keys' hashes: outside the database, so a copy of it cannot check or mint keys.
+KEY_PEPPER = env.string("BERTH_KEY_PEPPER")
+if KEY_PEPPER is None:
+    if not EMBEDDED:
+        raise ImproperlyConfigured(
+            "BERTH_KEY_PEPPER (or BERTH_KEY_PEPPER_FILE) is required when DATABASE_URL is set: API keys are "
+            "hashed with it, and every process must share it. Changing it invalidates every key."
+        )
+    KEY_PEPPER = env.persistent_secret(DATA_DIR / "key_pepper")
+elif len(KEY_PEPPER) < 32:
+    raise ImproperlyConfigured("BERTH_KEY_PEPPER is shorter than 32 characters: use a long random value.")
+
+# Governance.
+APPROVAL_TTL_HOURS = env.integer("BERTH_APPROVAL_TTL_HOURS", 72, minimum=1, maximum=24 * 90)
+LOGIN_MAX_FAILURES = env.integer("BERTH_LOGIN_MAX_FAILURES", 5, minimum=1)
+LOGIN_WINDOW_SECONDS = env.integer("BERTH_LOGIN_WINDOW_SECONDS", 900, minimum=10)
+LOGIN_TRACKED_ENTRIES = env.integer("BERTH_LOGIN_TRACKED_ENTRIES", 10000, minimum=100)
+PASSWORD_HASH_SLOTS = env.integer("BERTH_PASSWORD_HASH_SLOTS", 4, minimum=1, maximum=64)
+
 ALLOWED_HOSTS = env.words("BERTH_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.words("BERTH_CSRF_TRUSTED_ORIGINS", [])
 HTTPS = env.boolean("BERTH_HTTPS", False)
@@ -121,6 +140,7 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+AUTHENTICATION_BACKENDS = ["tenancy.backends.BoundedHashingBackend"]
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
@@ -138,7 +158,8 @@ SERVESTATIC_USE_FINDERS = True
 SERVESTATIC_AUTOREFRESH = DEBUG
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["tenancy.api.authentication.CredentialAuthentication",
+                                       "rest_framework.authentication.SessionAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "berth.api.exception_handler",

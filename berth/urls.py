@@ -5,17 +5,19 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from berth import health, views
 from berth.api_root import ApiRootView
+from tenancy.login import LoginView
 
 api_patterns = [
     path("", ApiRootView.as_view(), name="api-root"),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("scheduler/", include("scheduler.api.urls")),
+    path("tenancy/", include("tenancy.api.urls")),
 ]
 
 urlpatterns = [
     path("", views.DashboardView.as_view(), name="dashboard"),
-    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("login/", LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),

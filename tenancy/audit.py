@@ -26,8 +26,9 @@ class Actor:
 
     @classmethod
     def from_request(cls, request) -> "Actor":
-        client = getattr(request, "service_client", None)
-        user = request.user if getattr(request.user, "is_authenticated", False) and client is None else None
+        principal = getattr(request, "user", None)
+        client = principal if isinstance(principal, ServiceClient) else None
+        user = principal if client is None and getattr(principal, "is_authenticated", False) else None
         return cls(user=user, client=client, address=request.META.get("REMOTE_ADDR") or None)
 
     @property

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.django_db
 
 def test_anonymous_caller_gets_the_error_format(client):
     response = client.get("/api/scheduler/nodes/")
-    assert response.status_code == 403
+    assert response.status_code == 401
+    assert response["WWW-Authenticate"] == "Bearer"
     assert response.json() == {"error": {"code": "not_authenticated",
                                          "message": "Authentication credentials were not provided.",
                                          "details": {}}}

@@ -15,6 +15,7 @@ $PY -m serving.engines.build_llamacpp
 export DATABASE_URL=${BERTH_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/berth}
 export REDIS_URL=${BERTH_TEST_REDIS_URL:-redis://127.0.0.1:6379/15}
 export BERTH_SECRET_KEY=test-only-secret-key-not-for-production-use-0123456789
+export BERTH_KEY_PEPPER=test-only-key-pepper-not-for-production-use-0123456789
 export BERTH_DATA_DIR=${BERTH_TEST_DATA_DIR:-$PWD/var/test}
 mkdir -p "$BERTH_DATA_DIR"
 

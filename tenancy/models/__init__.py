@@ -4,7 +4,7 @@ from tenancy.models.approvals import ApprovalRequest
 from tenancy.models.audit import AuditEvent
 from tenancy.models.clients import Credential, ServiceClient
 from tenancy.models.contracts import Contract, Reservation
-from tenancy.models.tree import Membership, Role, Scope
+from tenancy.models.tree import ROLE_RANK, Membership, Role, Scope
 
-__all__ = ["ApprovalRequest", "AuditEvent", "Contract", "Credential", "Membership", "Reservation", "Role",
+__all__ = ["ROLE_RANK", "ApprovalRequest", "AuditEvent", "Contract", "Credential", "Membership", "Reservation", "Role",
            "Scope", "ServiceClient"]

@@ -55,6 +55,16 @@ class ServiceClient(models.Model):
     def may_manage(self) -> bool:
         return self.access in (self.Access.MANAGEMENT, self.Access.BOTH)
 
+    # A client authenticated by a management key is the API request's ``user``: these let DRF and
+    # Django treat it as an authenticated principal without it being a person.
+    is_authenticated = True
+    is_anonymous = False
+    is_superuser = False
+    is_staff = False
+
+    def get_username(self) -> str:
+        return f"client:{self}"
+
     def allows_model(self, model: str) -> bool:
         return self.all_models or model in self.allowed_models
 

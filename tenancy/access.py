@@ -1,0 +1,114 @@
+"""Who may do what, in one place.
+
+A caller is a person (``User``) or a service client acting through a management key. A person's
+role on a scope is the highest role of their memberships on that scope or any ancestor: a role holds
+for everything below it. A management client acts as an admin of its own project. Superusers may
+do everything.
+
+``can`` answers one question for one object; ``visible_to`` narrows any queryset of tenancy-scoped
+rows to what the caller may see; ``require`` turns a "no" into the right error — a 404 when the
+caller may not even see the object (never confirm that it exists), a 403 when they may see it but
+not do this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Q, QuerySet
+
+from tenancy.errors import Forbidden
+from berth.errors import NotFound
+from tenancy.models import ROLE_RANK, Membership, Role, Scope, ServiceClient
+
+# The least role each action needs.
+ACTIONS = {
+    "view": Role.VIEWER,     # read the scope and everything in it
+    "use": Role.MEMBER,      # service clients and keys of its projects; ask for approvals
+    "change": Role.ADMIN,    # child scopes, names, contracts, memberships below owner
+    "decide": Role.ADMIN,    # approve or reject what others asked for
+    "own": Role.OWNER,       # delete scopes, grant or remove ownership
+}
+
+
+def _principal(caller: Any):
+    """Accept a User, a ServiceClient, or anything with ``.user``/``.client`` (an audit Actor)."""
+    if hasattr(caller, "client") and hasattr(caller, "user") and not hasattr(caller, "memberships"):
+        return caller.client if caller.client is not None else caller.user
+    return caller
+
+
+def is_superuser(caller: Any) -> bool:
+    principal = _principal(caller)
+    return bool(getattr(principal, "is_superuser", False) and getattr(principal, "is_active", False))
+
+
+def roles(caller: Any) -> dict[str, str]:
+    """{scope path: role} of the caller's own grants (not inherited), one query."""
+    principal = _principal(caller)
+    if isinstance(principal, ServiceClient):
+        if principal.is_active and principal.may_manage:
+            return {principal.project.path: Role.ADMIN}
+        return {}
+    if principal is None or not getattr(principal, "is_authenticated", False) or not principal.is_active:
+        return {}
+    cache = getattr(principal, "_berth_roles", None)
+    if cache is None:
+        cache = dict(Membership.objects.filter(user=principal).values_list("scope__path", "role"))
+        principal._berth_roles = cache  # per request: the user object lives as long as the request
+    return cache
+
+
+def forget_roles(caller: Any) -> None:
+    principal = _principal(caller)
+    if hasattr(principal, "_berth_roles"):
+        del principal._berth_roles
+
+
+def role_on(caller: Any, scope: Scope) -> str | None:
+    if is_superuser(caller):
+        return Role.OWNER
+    grants = roles(caller)
+    best = None
+    for path in scope.ancestor_paths():
+        role = grants.get(path)
+        if role and (best is None or ROLE_RANK[role] > ROLE_RANK[best]):
+            best = role
+    return best
+
+
+def can(caller: Any, action: str, obj: Any) -> bool:
+    from tenancy.audit import scope_of
+
+    if action not in ACTIONS:
+        raise ValueError(f"unknown action {action!r}")
+    if is_superuser(caller):
+        return True
+    scope = scope_of(obj)
+    if scope is None:
+        return False
+    role = role_on(caller, scope)
+    return role is not None and ROLE_RANK[role] >= ROLE_RANK[ACTIONS[action]]
+
+
+def require(caller: Any, action: str, obj: Any) -> None:
+    if not can(caller, "view", obj):
+        raise NotFound("No such object, or it is outside your reach.")
+    if not can(caller, action, obj):
+        raise Forbidden(f"Your role does not allow '{action}' here.",
+                        details={"action": action, "needs": ACTIONS[action]})
+
+
+def visible_to(caller: Any, queryset: QuerySet, scope_field: str = "scope") -> QuerySet:
+    """Narrow ``queryset`` to rows whose scope (``scope_field``, a path to a Scope) lies at or below
+    a scope where the caller holds any role. ``scope_field=""`` when the rows are Scopes."""
+    if is_superuser(caller):
+        return queryset
+    grants = roles(caller)
+    if not grants:
+        return queryset.none()
+    prefix = f"{scope_field}__" if scope_field else ""
+    condition = Q()
+    for path in grants:
+        condition |= Q(**{f"{prefix}path": path}) | Q(**{f"{prefix}path__startswith": path + "/"})
+    return queryset.filter(condition)

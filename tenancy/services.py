@@ -1,1 +1,0 @@
-"""The tenancy app's verbs: views, API, commands and tasks call these."""

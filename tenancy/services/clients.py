@@ -1,0 +1,183 @@
+"""Service clients and their API keys: create, authenticate, revoke, rotate."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from tenancy import access, audit, keys
+from tenancy.audit import Actor
+from tenancy.errors import (AlreadyExists, ApiKeyExpired, ApiKeyRevoked, ClientDisabled, InvalidApiKey, InvalidTree,
+                            MalformedAuthorization)
+from tenancy.models import Credential, Scope, ServiceClient
+from tenancy.services import approvals
+
+CLIENT_FIELDS = ("description", "all_models", "allowed_models", "environment", "access", "rpm_limit", "tpm_limit",
+                 "concurrency_limit", "priority", "is_active")
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+MAX_OVERLAP = timedelta(days=30)
+
+
+def _validate_client(fields: dict) -> dict:
+    unknown = set(fields) - set(CLIENT_FIELDS)
+    problems = {name: "unknown field" for name in unknown}
+    choices = {"environment": ServiceClient.Environment, "access": ServiceClient.Access,
+               "priority": ServiceClient.Priority}
+    for name, enum in choices.items():
+        if name in fields and fields[name] not in enum.values:
+            problems[name] = f"one of {', '.join(enum.values)}"
+    for name in ("rpm_limit", "tpm_limit", "concurrency_limit"):
+        value = fields.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            problems[name] = "a whole number of at least 1, or null for no limit of the client's own"
+    if "allowed_models" in fields:
+        models = fields["allowed_models"]
+        if not isinstance(models, list) or not all(isinstance(m, str) and m.strip() for m in models):
+            problems["allowed_models"] = "a list of model names"
+    if problems:
+        raise InvalidTree("The service client is invalid.", details=problems)
+    return fields
+
+
+def create_client(actor: Actor, project: Scope, name: str, **fields) -> ServiceClient:
+    if project.kind != Scope.Kind.PROJECT:
+        raise InvalidTree(f"Service clients belong to projects; {project.written} is not one.")
+    access.require(actor, "use", project)
+    name = (name or "").strip()
+    if not name or len(name) > 100:
+        raise InvalidTree("A service client needs a name of 1 to 100 characters.", details={"name": "1-100 characters"})
+    _validate_client(fields)
+    try:
+        with transaction.atomic():
+            client = ServiceClient.objects.create(project=project, name=name, **fields)
+            audit.record(actor, "client.create", client, details={"name": name, **fields})
+    except IntegrityError:
+        raise AlreadyExists(f"{project.path} already has a client named {name!r}.") from None
+    return client
+
+
+def update_client(actor: Actor, client: ServiceClient, **fields) -> ServiceClient:
+    access.require(actor, "use", client)
+    _validate_client(fields)
+    with transaction.atomic():
+        before = {name: getattr(client, name) for name in fields}
+        for name, value in fields.items():
+            setattr(client, name, value)
+        client.save(update_fields=list(fields) or None)
+        audit.record(actor, "client.update", client, details={"before": before, "after": fields})
+    return client
+
+
+def production_evidence(client: ServiceClient) -> dict:
+    """What an approval for a production key of ``client`` rests on: change any of it and the
+    approval goes stale."""
+    return {"client": str(client.public_id), "project": client.project.path, "environment": client.environment,
+            "access": client.access, "all_models": client.all_models, "allowed_models": sorted(client.allowed_models),
+            "active": client.is_active}
+
+
+def create_credential(actor: Actor, client: ServiceClient, *, name: str = "", lifetime: timedelta | None = None,
+                      approval=None) -> tuple[Credential, str]:
+    """A new key for ``client``; returns (credential, plaintext). The plaintext exists only here."""
+    access.require(actor, "use", client)
+    if lifetime is not None and lifetime <= timedelta(0):
+        raise InvalidTree("A key's lifetime must be positive (or unset for no expiry).", details={"lifetime": "positive"})
+    with transaction.atomic():
+        if client.environment == ServiceClient.Environment.PRODUCTION:
+            approvals.consume(actor, "credential.create_production", client.project, client,
+                              production_evidence(client), approval)
+        credential, plaintext = _mint(actor, client, name=name, lifetime=lifetime)
+        audit.record(actor, "credential.create", credential,
+                     details={"client": str(client), "prefix": credential.prefix, "expires_at": credential.expires_at})
+    return credential, plaintext
+
+
+def _mint(actor: Actor, client: ServiceClient, *, name: str, lifetime: timedelta | None,
+          replaces: Credential | None = None) -> tuple[Credential, str]:
+    plaintext, lookup, secret = keys.new_key()
+    now = timezone.now()
+    credential = Credential.objects.create(
+        client=client, name=(name or "").strip()[:100], lookup=lookup, secret_hash=keys.digest(secret),
+        created_by=actor.user, lifetime=lifetime, expires_at=now + lifetime if lifetime else None, replaces=replaces)
+    return credential, plaintext
+
+
+def revoke_credential(actor: Actor, credential: Credential) -> Credential:
+    access.require(actor, "use", credential)
+    with transaction.atomic():
+        updated = Credential.objects.filter(pk=credential.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+        credential.refresh_from_db()
+        if updated:
+            audit.record(actor, "credential.revoke", credential, details={"prefix": credential.prefix})
+    return credential
+
+
+def rotate_credential(actor: Actor, credential: Credential, overlap: timedelta = timedelta(hours=24)
+                      ) -> tuple[Credential, str]:
+    """A new key for the same client, keeping the old one's expiry policy; the old one keeps working
+    for ``overlap`` (so callers can switch without an outage), then expires."""
+    access.require(actor, "use", credential)
+    if overlap < timedelta(0) or overlap > MAX_OVERLAP:
+        raise InvalidTree(f"The overlap must be between 0 and {MAX_OVERLAP.days} days.", details={"overlap": "0-30 days"})
+    with transaction.atomic():
+        old = Credential.objects.select_for_update().select_related("client").get(pk=credential.pk)
+        now = timezone.now()
+        if old.revoked_at is not None or (old.expires_at is not None and old.expires_at <= now):
+            raise InvalidTree("Only a working key can be rotated; create a new one instead.")
+        if hasattr(old, "replaced_by"):
+            raise AlreadyExists("This key was already rotated.")
+        new, plaintext = _mint(actor, old.client, name=old.name, lifetime=old.lifetime, replaces=old)
+        old.expires_at = min(filter(None, [old.expires_at, now + overlap]))
+        old.save(update_fields=["expires_at"])
+        audit.record(actor, "credential.rotate", new, details={"old": old.prefix, "new": new.prefix,
+                                                               "old_expires_at": old.expires_at})
+    return new, plaintext
+
+
+def credential_from_header(value: str | None) -> str:
+    """The key in an ``Authorization: Bearer brk_…`` header value."""
+    if not value:
+        raise MalformedAuthorization("Send the key as `Authorization: Bearer brk_…`.")
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise MalformedAuthorization("Send the key as `Authorization: Bearer brk_…`.")
+    return token.strip()
+
+
+def authenticate(plaintext: str) -> Credential:
+    """The credential a key belongs to, with its client and project: one indexed lookup, one
+    constant-time compare. Raises when the key is malformed, unknown, wrong, expired, revoked, or
+    its client disabled."""
+    parsed = keys.parse(plaintext)
+    if parsed is None:
+        raise InvalidApiKey("That is not a Berth API key (brk_…).")
+    lookup, secret = parsed
+    credential = Credential.objects.select_related("client__project").filter(lookup=lookup).first()
+    if credential is None:
+        keys.digest(secret)  # the same work as a wrong secret: no timing hint that the lookup missed
+        raise InvalidApiKey("Invalid API key.")
+    if not keys.matches(secret, credential.secret_hash):
+        raise InvalidApiKey("Invalid API key.")
+    now = timezone.now()
+    if credential.revoked_at is not None:
+        raise ApiKeyRevoked("This API key was revoked.")
+    if credential.expires_at is not None and credential.expires_at <= now:
+        raise ApiKeyExpired("This API key has expired.")
+    if not credential.client.is_active:
+        raise ClientDisabled("The service client of this key is disabled.")
+    touch(credential, now)
+    return credential
+
+
+def touch(credential: Credential, now=None) -> None:
+    """Record use at most once a minute per key: a conditional update, so concurrent requests on
+    many processes write once between them."""
+    now = now or timezone.now()
+    if credential.last_used_at is not None and now - credential.last_used_at < LAST_USED_RESOLUTION:
+        return
+    (Credential.objects.filter(pk=credential.pk)
+     .exclude(last_used_at__gt=now - LAST_USED_RESOLUTION)
+     .update(last_used_at=now))
+    credential.last_used_at = now
