@@ -138,16 +138,35 @@ def _validate_tree(scope: Scope, after: dict) -> None:
             problems[field] = (f"the {LABEL[stem]} guarantees of {scope.written}'s children add up to "
                                f"{_fmt(total, stem)}, more than the {_fmt(after[field], stem)} asked for")
     if problems:
-        raise InvalidContract(" ".join(sorted(problems.values())).capitalize() + ".", details=problems)
+        raise InvalidContract("; ".join(sorted(problems.values())) + ".", details=problems)
 
 
 def contract_evidence(scope: Scope, before: dict, after: dict) -> dict:
+    """What an approval to raise a limit rests on: the contract as it is and as proposed."""
     return {"scope": scope.written, "current": {k: _plain(v) for k, v in before.items()},
             "proposed": {k: _plain(v) for k, v in after.items()}}
 
 
+def raise_limit_evidence(scope: Scope, **figures) -> dict:
+    """The evidence an approval for setting ``figures`` on ``scope``'s contract rests on, rebuilt
+    from the current state exactly as ``set_contract`` will rebuild it when carrying the change out.
+    Refused when the change raises no limit (it needs no approval)."""
+    changes = _clean(figures)
+    before = _figures(Contract.objects.filter(scope=scope).first())
+    after = before | changes
+    if not _raised_limits(before, after):
+        raise InvalidContract("This change raises or removes no limit: it needs no approval.",
+                              details={"limits": "none raised"})
+    return contract_evidence(scope, before, after)
+
+
 def _plain(value):
-    return f"{value.normalize():f}" if isinstance(value, Decimal) else value
+    """One spelling per amount (8, 8.0 and Decimal("8.00") are all "8"), so evidence compares exactly."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float, Decimal)):
+        return f"{Decimal(str(value)).normalize():f}"
+    return value
 
 
 def set_contract(actor: Actor, scope: Scope, approval=None, **figures) -> Contract:
