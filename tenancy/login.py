@@ -12,6 +12,7 @@ from tenancy.throttle import login_throttle
 
 class ThrottledAuthenticationForm(AuthenticationForm):
     error_messages = AuthenticationForm.error_messages | {
+        "invalid_login": "That user name and password do not match an account.",
         "throttled": "Too many failed logins for this account or address. Try again in %(minutes)s minutes.",
         "busy": "Too many logins are being checked right now; try again in a few seconds.",
     }

@@ -38,7 +38,7 @@ def test_logout_needs_a_post_and_ends_the_session(client, admin_user):
     assert client.get("/").status_code == 302
 
 
-@pytest.mark.parametrize("url", ["/gateway/", "/models/", "/organisations/"])
+@pytest.mark.parametrize("url", ["/gateway/", "/models/"])
 def test_unbuilt_areas_say_so(client, admin_user, url):
     client.force_login(admin_user)
     response = client.get(url)
