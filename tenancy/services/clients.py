@@ -70,6 +70,15 @@ def update_client(actor: Actor, client: ServiceClient, **fields) -> ServiceClien
     return client
 
 
+def delete_client(actor: Actor, client: ServiceClient) -> None:
+    """Remove a client and, with it, every key it holds (they stop working at once)."""
+    access.require(actor, "use", client)
+    with transaction.atomic():
+        audit.record(actor, "client.delete", client, details={"name": client.name,
+                                                              "credentials": client.credentials.count()})
+        client.delete()
+
+
 def production_evidence(client: ServiceClient) -> dict:
     """What an approval for a production key of ``client`` rests on: change any of it and the
     approval goes stale."""
@@ -154,10 +163,12 @@ def authenticate(plaintext: str) -> Credential:
     if parsed is None:
         raise InvalidApiKey("That is not a Berth API key (brk_…).")
     lookup, secret = parsed
-    credential = Credential.objects.select_related("client__project").filter(lookup=lookup).first()
-    if credential is None:
+    try:
+        # get(), not first(): no ORDER BY on the hot path, just the unique index.
+        credential = Credential.objects.select_related("client__project").get(lookup=lookup)
+    except Credential.DoesNotExist:
         keys.digest(secret)  # the same work as a wrong secret: no timing hint that the lookup missed
-        raise InvalidApiKey("Invalid API key.")
+        raise InvalidApiKey("Invalid API key.") from None
     if not keys.matches(secret, credential.secret_hash):
         raise InvalidApiKey("Invalid API key.")
     now = timezone.now()
