@@ -1,1 +1,121 @@
-"""Models of the serving app (see the issue that builds it)."""
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class DeploymentState(models.TextChoices):
+    PLANNED = "planned", "Planned"
+    QUEUED = "queued", "Queued"
+    STARTING = "starting", "Starting"
+    LOADING = "loading", "Loading"
+    READY = "ready", "Ready"
+    SLEEPING = "sleeping", "Sleeping"
+    STOPPING = "stopping", "Stopping"
+    STOPPED = "stopped", "Stopped"
+    FAILED = "failed", "Failed"
+    UNKNOWN = "unknown", "Unknown"  # a running managed engine found without a record
+
+
+# States in which a replica holds its port and memory on the node.
+HOLDING_STATES = (DeploymentState.QUEUED, DeploymentState.STARTING, DeploymentState.LOADING, DeploymentState.READY,
+                  DeploymentState.SLEEPING, DeploymentState.STOPPING, DeploymentState.UNKNOWN)
+
+
+class Deployment(models.Model):
+    """One model run with one engine configuration, as one or more replicas on a node."""
+
+    State = DeploymentState
+
+    class Engine(models.TextChoices):
+        LLAMACPP = "llamacpp", "llama.cpp"
+        VLLM = "vllm", "vLLM"
+
+    class Runtime(models.TextChoices):
+        PROCESS = "process", "Process"
+        DOCKER = "docker", "Docker"
+
+    class Task(models.TextChoices):
+        CHAT = "chat", "Chat"
+        COMPLETION = "completion", "Completion"
+        EMBEDDING = "embedding", "Embedding"
+        RERANK = "rerank", "Rerank"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    name = models.CharField(max_length=200, help_text="The model name clients ask for.")
+    task = models.CharField(max_length=12, choices=Task.choices, default=Task.CHAT)
+    engine = models.CharField(max_length=12, choices=Engine.choices, default=Engine.LLAMACPP)
+    runtime = models.CharField(max_length=12, choices=Runtime.choices, default=Runtime.PROCESS)
+    model_path = models.CharField(max_length=1024)
+    config = models.JSONField(default=dict, blank=True, help_text="The engine's validated configuration.")
+    node = models.ForeignKey("scheduler.Node", on_delete=models.PROTECT, related_name="deployments")
+    gpu_uuids = models.JSONField(default=list, blank=True)
+    owner = models.ForeignKey("tenancy.Scope", null=True, blank=True, on_delete=models.PROTECT,
+                              related_name="deployments")
+    priority = models.PositiveSmallIntegerField(default=50, help_text="0 (least) to 100 (most important).")
+    replicas = models.PositiveSmallIntegerField(default=1)
+    cores = models.PositiveSmallIntegerField(null=True, blank=True)
+    memory_reserved_bytes = models.BigIntegerField(null=True, blank=True)
+    estimate = models.JSONField(default=dict, blank=True, help_text="The estimate's breakdown at deploy time.")
+    state = models.CharField(max_length=12, choices=State.choices, default=State.PLANNED, db_index=True)
+    state_detail = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.get_engine_display()} on {self.node_id and self.node.name})"
+
+
+class Replica(models.Model):
+    """One running (or once running) engine of a deployment."""
+
+    State = DeploymentState
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replica_set")
+    node = models.ForeignKey("scheduler.Node", on_delete=models.PROTECT, related_name="replicas")
+    port = models.PositiveIntegerField()
+    state = models.CharField(max_length=12, choices=State.choices, default=State.PLANNED, db_index=True)
+    handle = models.JSONField(default=dict, blank=True, help_text="How the runtime finds the engine again.")
+    memory_reserved_bytes = models.BigIntegerField(null=True, blank=True)
+    peak_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    queued_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    exit_reason = models.CharField(max_length=300, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            # A port is held by at most one replica per node while the replica holds resources.
+            models.UniqueConstraint(fields=["node", "port"], condition=models.Q(state__in=HOLDING_STATES),
+                                    name="one_holder_per_node_port"),
+        ]
+
+    def __str__(self) -> str:
+        return f"replica {self.public_id} of {self.deployment.name}"
+
+
+class DeploymentEvent(models.Model):
+    """Every state change of a deployment or its replicas, with the engine's log tail on failure."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
+    replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    from_state = models.CharField(max_length=12, blank=True)
+    to_state = models.CharField(max_length=12)
+    message = models.TextField(blank=True)
+    log_tail = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}: {self.from_state or '—'} → {self.to_state}"
