@@ -68,3 +68,44 @@ def management_key(personas):
         return types.SimpleNamespace(client=client, credential=credential, key=plaintext)
 
     return make
+
+
+# Console fixtures ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def browse(personas):
+    """``browse(user)``: a Django test client logged in as that person."""
+    from django.test import Client
+
+    def as_user(user):
+        client = Client()
+        client.force_login(user)
+        return client
+
+    return as_user
+
+
+@pytest.fixture
+def otto(personas, django_user_model):
+    """A second admin of acme: the "someone else" who decides what olivia asks for."""
+    user = django_user_model.objects.create_user("otto", "otto@example.org", personas.password)
+    Membership.objects.create(user=user, scope=personas.acme.org, role=Role.ADMIN)
+    return user
+
+
+@pytest.fixture
+def search_client(personas):
+    """A service client of acme/ml/search with one working key (made by olivia)."""
+    from tenancy.services import clients
+
+    client = clients.create_client(personas.olivia_actor, personas.acme.project, "indexer")
+    credential, plaintext = clients.create_credential(personas.olivia_actor, client, name="ci")
+    return types.SimpleNamespace(client=client, credential=credential, plaintext=plaintext)
+
+
+@pytest.fixture
+def ada(personas, django_user_model):
+    """A second decider: ada is an admin of acme, so olivia's requests have someone else to approve them."""
+    user = django_user_model.objects.create_user("ada", "ada@example.org", personas.password)
+    Membership.objects.create(user=user, scope=personas.acme.org, role=Role.ADMIN)
+    return user
