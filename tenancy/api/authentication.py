@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication
 
 from tenancy.errors import Forbidden
@@ -23,3 +24,14 @@ class CredentialAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request):
         return self.keyword
+
+
+class CredentialAuthenticationScheme(OpenApiAuthenticationExtension):
+    """How the schema documents management keys."""
+
+    target_class = CredentialAuthentication
+    name = "managementKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "bearerFormat": "brk_<lookup>_<secret>",
+                "description": "A management API key of a service client with management access."}
