@@ -217,3 +217,63 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
+
+# Scheduler
+SCHEDULER_NODE_LOST_AFTER = env.integer("BERTH_NODE_LOST_AFTER", 120, minimum=10)  # seconds without heartbeat
+SCHEDULER_TELEMETRY_SAMPLES = env.integer("BERTH_TELEMETRY_SAMPLES", 60, minimum=1, maximum=10_000)  # kept per node/GPU
+# Fit: memory kept free for the system, on unified-memory machines (and CPU nodes) in GiB, on discrete GPUs in %.
+SCHEDULER_SAFETY_MARGIN_UNIFIED_GIB = env.integer("BERTH_SAFETY_MARGIN_UNIFIED_GIB", 8, minimum=0)
+SCHEDULER_SAFETY_MARGIN_GPU_PERCENT = env.integer("BERTH_SAFETY_MARGIN_GPU_PERCENT", 5, minimum=0, maximum=50)
+# Calibration: margin added to a measured load when it replaces the estimate, and how far an
+# out-of-memory failure with evidence raises the next estimate (both in %).
+SCHEDULER_CALIBRATION_MARGIN_PERCENT = env.integer("BERTH_CALIBRATION_MARGIN_PERCENT", 5, minimum=0, maximum=100)
+SCHEDULER_OOM_RAISE_PERCENT = env.integer("BERTH_OOM_RAISE_PERCENT", 25, minimum=1, maximum=400)
+# Directories the estimate form and API may read model files from (comma-separated).
+SCHEDULER_MODEL_ROOTS = [Path(p).expanduser().resolve() for p in env.words("BERTH_MODEL_ROOTS", [str(DATA_DIR / "models")])]
+
+# Serving: deployments.
+SERVING_STARTUP_SLOTS = env.integer("BERTH_STARTUP_SLOTS", 1, minimum=1, maximum=64)
+SERVING_QUEUE_TIMEOUT_SECONDS = env.integer("BERTH_QUEUE_TIMEOUT_SECONDS", 1800, minimum=1)
+SERVING_STARTUP_TIMEOUT_SECONDS = env.integer("BERTH_STARTUP_TIMEOUT_SECONDS", 900, minimum=5)
+SERVING_HEARTBEAT_SECONDS = env.integer("BERTH_HEARTBEAT_SECONDS", 5, minimum=1, maximum=300)
+_ports = env.string("BERTH_ENGINE_PORTS", "20000-29999")
+try:
+    SERVING_PORT_RANGE = tuple(int(p) for p in _ports.split("-", 1))
+    if len(SERVING_PORT_RANGE) != 2 or not 1024 <= SERVING_PORT_RANGE[0] <= SERVING_PORT_RANGE[1] <= 65535:
+        raise ValueError
+except ValueError:
+    raise ImproperlyConfigured(f"BERTH_ENGINE_PORTS={_ports!r} is not a port range like 20000-29999 (1024-65535).") from None
+
+# Gateway
+# How long an authenticated key is trusted in-process before the database is asked again (seconds);
+# a revocation reaches every process at once over Redis, expiry and disabling within this window.
+GATEWAY_AUTH_CACHE_SECONDS = env.integer("BERTH_GATEWAY_AUTH_CACHE_SECONDS", 5, minimum=0, maximum=300)
+GATEWAY_ROUTING_TTL = env.integer("BERTH_GATEWAY_ROUTING_TTL_MS", 1500, minimum=50, maximum=60_000) / 1000
+GATEWAY_MAX_BODY_BYTES = env.integer("BERTH_GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
+# Admission while a model loads: waiting requests per model and process, and how long each waits.
+GATEWAY_ADMISSION_QUEUE = env.integer("BERTH_GATEWAY_ADMISSION_QUEUE", 64, minimum=0, maximum=100_000)
+GATEWAY_ADMISSION_TIMEOUT = env.integer("BERTH_GATEWAY_ADMISSION_TIMEOUT", 30, minimum=1, maximum=3600)
+GATEWAY_EXPECTED_LOAD_SECONDS = env.integer("BERTH_GATEWAY_EXPECTED_LOAD_SECONDS", 60, minimum=1)
+# Upstream timeouts (seconds): to the first byte of the engine's answer, and for the whole request.
+GATEWAY_FIRST_BYTE_TIMEOUT = env.integer("BERTH_GATEWAY_FIRST_BYTE_TIMEOUT", 120, minimum=1)
+GATEWAY_TOTAL_TIMEOUT = env.integer("BERTH_GATEWAY_TOTAL_TIMEOUT", 900, minimum=1)
+# A replica whose connections fail this many times in a row leaves routing for the cool-down.
+GATEWAY_BREAKER_FAILURES = env.integer("BERTH_GATEWAY_BREAKER_FAILURES", 3, minimum=1)
+GATEWAY_BREAKER_SECONDS = env.integer("BERTH_GATEWAY_BREAKER_SECONDS", 30, minimum=1)
+# Usage records are written in batches: every this many milliseconds, or at this many records.
+GATEWAY_USAGE_FLUSH_MS = env.integer("BERTH_GATEWAY_USAGE_FLUSH_MS", 1000, minimum=10)
+GATEWAY_USAGE_BATCH = env.integer("BERTH_GATEWAY_USAGE_BATCH", 500, minimum=1)
+GATEWAY_ACCESS_LOG = env.boolean("BERTH_GATEWAY_ACCESS_LOG", True)
+
+# Serving: engines and runtimes
+# Model files a deployment may name: the same roots the scheduler's estimate reads (BERTH_MODEL_ROOTS).
+SERVING_MODEL_ROOTS = [Path(p).expanduser().resolve() for p in env.words("BERTH_MODEL_ROOTS", [str(DATA_DIR / "models")])]
+# Pidfiles, exit files and logs of engines run as processes on this node.
+SERVING_ENGINE_DIR = env.path("BERTH_ENGINE_DIR", DATA_DIR / "engines", BASE_DIR)
+# Images are used only when already on the node unless pulling is allowed (most nodes reach no registry).
+SERVING_DOCKER_ALLOW_PULL = env.boolean("BERTH_DOCKER_ALLOW_PULL", False)
+SERVING_VLLM_IMAGE_TAG = env.string("BERTH_VLLM_IMAGE_TAG", "v0.11.0")
+# The access log: bare JSON lines (one per request) on standard output, written in batches.
+LOGGING["formatters"]["bare"] = {"format": "%(message)s"}
+LOGGING["handlers"]["access"] = {"class": "logging.StreamHandler", "formatter": "bare", "stream": "ext://sys.stdout"}
+LOGGING["loggers"]["berth.gateway.access"] = {"handlers": ["access"], "level": "INFO", "propagate": False}

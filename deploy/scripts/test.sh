@@ -11,6 +11,7 @@ while IFS='=' read -r key value; do export "$key=$value"; done <<<"$services_env
 deploy/scripts/ensure-build-tools.sh
 # Plain Python: builds (or reuses) the cached llama-server before Django is configured.
 $PY -m serving.engines.build_llamacpp
+$PY -m serving.engines.llamacpp_image --if-docker  # the llama.cpp engine image (debootstrap base + that binary)
 
 export DATABASE_URL=${BERTH_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/berth}
 export REDIS_URL=${BERTH_TEST_REDIS_URL:-redis://127.0.0.1:6379/15}

@@ -1,0 +1,18 @@
+"""Which engine implements a kind: the one place that maps ``"llamacpp"``/``"vllm"`` to code."""
+
+from __future__ import annotations
+
+from serving.engines.base import Engine
+from serving.engines.llamacpp import LlamaCpp
+from serving.engines.vllm import VLLM
+from serving.errors import UnknownEngine
+
+ENGINES: dict[str, type] = {"llamacpp": LlamaCpp, "vllm": VLLM}
+
+
+def engine_for(kind: str) -> Engine:
+    try:
+        return ENGINES[kind]()
+    except KeyError:
+        raise UnknownEngine(f"No engine {kind!r}; known: {', '.join(ENGINES)}.",
+                            details={"known": list(ENGINES)}) from None
