@@ -215,7 +215,10 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {"django.db.backends": {"level": "WARNING"},
+                # One line per engine poll would drown the agent's log; kombu's file transport warns
+                # that it has no host name, which it never needs.
+                "httpx": {"level": "WARNING"}, "kombu.connection": {"level": "ERROR"}},
 }
 
 # Scheduler
@@ -277,3 +280,8 @@ SERVING_VLLM_IMAGE_TAG = env.string("BERTH_VLLM_IMAGE_TAG", "v0.11.0")
 LOGGING["formatters"]["bare"] = {"format": "%(message)s"}
 LOGGING["handlers"]["access"] = {"class": "logging.StreamHandler", "formatter": "bare", "stream": "ext://sys.stdout"}
 LOGGING["loggers"]["berth.gateway.access"] = {"handlers": ["access"], "level": "INFO", "propagate": False}
+# Two scheduler fields are named "kind" (an engine's, an accelerator's): name their enums in the schema.
+SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {}).update({
+    "AcceleratorKindEnum": "scheduler.models.Accelerator.Kind",
+    "EngineKindEnum": "scheduler.models.NodeEngine.Kind",
+})

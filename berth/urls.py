@@ -11,8 +11,10 @@ api_patterns = [
     path("", ApiRootView.as_view(), name="api-root"),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("gateway/", include("gateway.api.urls")),
     path("scheduler/", include("scheduler.api.urls")),
     path("tenancy/", include("tenancy.api.urls")),
+    path("serving/", include("serving.api.urls")),
 ]
 
 urlpatterns = [

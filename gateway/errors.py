@@ -1,1 +1,90 @@
-"""Error codes of the gateway app: subclasses of ``berth.errors.BerthError``."""
+"""Error codes of the gateway app. Under /v1/ they are rendered in OpenAI's shape
+(``{"error": {"message", "type", "code", "param"}}``); clients branch on ``code``, never reword one."""
+
+from berth.errors import BerthError, InvalidInput, NotAuthenticated, NotFound, PermissionDenied, Unavailable
+
+
+class BadRequest(InvalidInput):
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.param = param
+
+
+class MissingKey(NotAuthenticated):
+    code = "missing_api_key"
+
+
+class InferenceNotAllowed(PermissionDenied):
+    code = "inference_not_allowed"
+
+
+class ModelNotAllowed(PermissionDenied):
+    code = "model_not_allowed"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class EndpointNotFound(NotFound):
+    code = "unknown_endpoint"
+
+
+class MethodNotAllowed(BerthError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class TooLarge(BerthError):
+    status = 413
+    code = "request_too_large"
+
+
+class RateLimited(BerthError):
+    status = 429
+    code = "rate_limit_exceeded"
+
+
+class ConcurrencyLimited(RateLimited):
+    code = "concurrency_limit_exceeded"
+
+
+class BudgetExceeded(RateLimited):
+    code = "budget_exceeded"
+
+
+class QueueFull(RateLimited):
+    code = "queue_full"
+
+
+class ModelLoading(Unavailable):
+    """Retry later: answered with ``Retry-After``."""
+
+    code = "model_loading"
+
+
+class NoReplica(Unavailable):
+    code = "no_ready_replica"
+
+
+class UpstreamError(BerthError):
+    status = 502
+    code = "upstream_error"
+
+
+class UpstreamTimeout(BerthError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class LimiterUnavailable(Unavailable):
+    code = "limiter_unavailable"
+
+
+# OpenAI's ``type`` for each status, so clients that switch on it behave as with OpenAI.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
+               502: "api_error", 503: "service_unavailable", 504: "timeout"}

@@ -38,14 +38,6 @@ def test_logout_needs_a_post_and_ends_the_session(client, admin_user):
     assert client.get("/").status_code == 302
 
 
-@pytest.mark.parametrize("url", ["/gateway/", "/models/"])
-def test_unbuilt_areas_say_so(client, admin_user, url):
-    client.force_login(admin_user)
-    response = client.get(url)
-    assert response.status_code == 200
-    assert "Not built yet" in response.content.decode()
-
-
 def test_fleet_page_and_its_fragment_come_from_one_url(client, admin_user):
     register_node(NodeReport(name="cpu-01", address="127.0.0.1", cpu_count=16,
                              engines=(EngineReport(kind="llamacpp", version="b1 (abc)"),)))

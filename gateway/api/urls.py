@@ -1,3 +1,9 @@
-"""Management API routes of the gateway app (mounted under /api/gateway/ once it has any)."""
+"""Management API routes of the gateway app (mounted under /api/gateway/)."""
 
-urlpatterns: list = []
+from rest_framework.routers import SimpleRouter
+
+from gateway.api.views import UsageRecordViewSet
+
+router = SimpleRouter()
+router.register("usage", UsageRecordViewSet, basename="gateway-usage")
+urlpatterns = router.urls

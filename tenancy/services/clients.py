@@ -7,7 +7,7 @@ from datetime import timedelta
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from tenancy import access, audit, keys
+from tenancy import access, audit, events, keys
 from tenancy.audit import Actor
 from tenancy.errors import (AlreadyExists, ApiKeyExpired, ApiKeyRevoked, ClientDisabled, InvalidApiKey, InvalidTree,
                             MalformedAuthorization)
@@ -120,6 +120,7 @@ def revoke_credential(actor: Actor, credential: Credential) -> Credential:
         credential.refresh_from_db()
         if updated:
             audit.record(actor, "credential.revoke", credential, details={"prefix": credential.prefix})
+            events.credential_revoked(credential.lookup)
     return credential
 
 

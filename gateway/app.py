@@ -1,0 +1,577 @@
+"""The inference gateway: a lean ASGI application serving /v1/ (mounted by ``berth.asgi``).
+
+Django's request path costs milliseconds a request; this path costs a fraction of one. On the hot
+path there is no database access: keys come from an in-process cache (``gateway.auth``), the routing
+table from another (``serving.routing.RoutingCache``), limits cost one Redis round trip
+(``gateway.limits``), usage and the access log are queued and written in batches
+(``gateway.usage``). Requests go to engines over one pooled aiohttp session.
+
+Order on every request: request id (set on every response, refusals included) → route → key
+(before the body is read) → body → model allowed and known → limits → a ready replica (or
+admission while the model loads) → the engine, retried once on another replica when the connection
+fails → the answer, streamed as it comes → usage, log line and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+import time
+
+import aiohttp
+import orjson
+from django.conf import settings
+
+from berth.errors import BerthError
+from gateway import metrics
+from gateway.auth import AuthCache, Principal
+from gateway.errors import (ERROR_TYPES, BadRequest, EndpointNotFound, InferenceNotAllowed, LimiterUnavailable, MethodNotAllowed,
+                            MissingKey, ModelLoading, ModelNotAllowed, ModelNotFound, NoReplica, QueueFull, TooLarge,
+                            UpstreamError, UpstreamTimeout)
+from gateway.limits import Limiter
+from gateway.threads import run_db
+from gateway.upstream import Balancer
+from gateway.usage import UsageRecorder
+from serving import routing
+from tenancy import events
+from tenancy.services.clients import credential_from_header
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+
+# path -> (endpoint name, upstream path, required fields)
+INFERENCE = {
+    "/v1/chat/completions": ("chat/completions", "/v1/chat/completions", ("messages",)),
+    "/v1/completions": ("completions", "/v1/completions", ("prompt",)),
+    "/v1/embeddings": ("embeddings", "/v1/embeddings", ("input",)),
+    "/v1/rerank": ("rerank", "/v1/rerank", ("query", "documents")),
+}
+STREAMING = {"chat/completions", "completions"}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer: logged as 499, nothing sent."""
+
+
+class Call:
+    """One request's facts as it goes (no content: bodies are never kept here)."""
+
+    __slots__ = ("receive", "send", "method", "path", "request_id", "rid_bytes", "started", "started_wall",
+                 "authorization", "content_length", "principal", "endpoint", "model_asked", "model_label",
+                 "replica_id", "status", "error_code", "queue_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
+                 "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done")
+
+    def __init__(self, scope, receive, send):
+        self.receive = receive
+        self.send = send
+        self.method = scope["method"]
+        self.path = scope["path"]
+        self.started = time.perf_counter()
+        self.started_wall = time.time()
+        self.authorization = None
+        self.content_length = None
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                self.authorization = value
+            elif name == b"x-request-id":
+                request_id = value
+            elif name == b"content-length":
+                self.content_length = value
+        if request_id is not None:
+            try:
+                request_id = request_id.decode("ascii")
+            except UnicodeDecodeError:
+                request_id = None
+        if request_id is None or not _REQUEST_ID.match(request_id):
+            request_id = "req_" + os.urandom(12).hex()
+        self.request_id = request_id
+        self.rid_bytes = request_id.encode()
+        self.principal: Principal | None = None
+        self.endpoint = ""
+        self.model_asked = ""
+        self.model_label = "unknown"
+        self.replica_id = None
+        self.status = 500
+        self.error_code = ""
+        self.queue_ms = None
+        self.ttft_ms = None
+        self.prompt_tokens = None
+        self.completion_tokens = None
+        self.stream = False
+        self.extra_headers: list[tuple[bytes, bytes]] = []
+        self.response_started = False
+        self.finished = False
+        self.disconnected = False
+        self.saw_done = False  # the stream's last event went out: a client leaving now left satisfied
+
+    async def respond(self, status: int, body: bytes, content_type: bytes = b"application/json",
+                      headers: list | None = None) -> None:
+        self.status = status
+        hdrs = [(b"x-request-id", self.rid_bytes), (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode())]
+        if self.extra_headers:
+            hdrs += self.extra_headers
+        if headers:
+            hdrs += headers
+        self.response_started = True
+        self.finished = True
+        await self.send({"type": "http.response.start", "status": status, "headers": hdrs})
+        await self.send({"type": "http.response.body", "body": body})
+
+
+def error_body(error: BerthError) -> bytes:
+    inner = {"message": error.message, "type": ERROR_TYPES.get(error.status, "api_error"), "code": error.code}
+    param = getattr(error, "param", None)
+    if param:
+        inner["param"] = param
+    if error.details:
+        inner["details"] = error.details
+    return orjson.dumps({"error": inner})
+
+
+def _usage_from(data: bytes, call: Call) -> None:
+    match = None
+    for match in _USAGE.finditer(data):
+        pass
+    if match is None:
+        return
+    tail = data[match.end():match.end() + 400]
+    prompt = _PROMPT.search(tail)
+    completion = _COMPLETION.search(tail)
+    if prompt:
+        call.prompt_tokens = int(prompt.group(1))
+    if completion:
+        call.completion_tokens = int(completion.group(1))
+    elif prompt:  # embeddings and rerank: prompt (and total) tokens only
+        call.completion_tokens = 0
+    if not prompt:
+        total = _TOTAL.search(tail)
+        if total:
+            call.prompt_tokens, call.completion_tokens = int(total.group(1)), 0
+
+
+class Gateway:
+    def __init__(self):
+        self.ready = False
+        self._starting: asyncio.Lock | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.waiting: dict[str, int] = {}
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        if self.ready:
+            return
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.ready:
+                return
+            self.redis_url = settings.REDIS_URL
+            self.redis = None
+            if self.redis_url:
+                import redis.asyncio as aioredis
+
+                self.redis = aioredis.Redis.from_url(self.redis_url, max_connections=256, health_check_interval=30)
+            connector = aiohttp.TCPConnector(limit=2000, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
+            self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",),
+                                                 auto_decompress=False)
+            self.timeout = aiohttp.ClientTimeout(total=settings.GATEWAY_TOTAL_TIMEOUT, sock_connect=10,
+                                                 sock_read=settings.GATEWAY_FIRST_BYTE_TIMEOUT)
+            self.auth = AuthCache(settings.GATEWAY_AUTH_CACHE_SECONDS)
+            self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db)
+            self.limiter = Limiter(self.redis, lease_seconds=settings.GATEWAY_TOTAL_TIMEOUT + 60)
+            self.balancer = Balancer(settings.GATEWAY_BREAKER_FAILURES, settings.GATEWAY_BREAKER_SECONDS)
+            self.recorder = UsageRecorder(settings.GATEWAY_USAGE_FLUSH_MS, settings.GATEWAY_USAGE_BATCH,
+                                          self.redis_url, settings.GATEWAY_ACCESS_LOG)
+            self.max_body = settings.GATEWAY_MAX_BODY_BYTES
+            self.queue_size = settings.GATEWAY_ADMISSION_QUEUE
+            self.admission_timeout = settings.GATEWAY_ADMISSION_TIMEOUT
+            self.recorder.start()
+            loop = asyncio.get_running_loop()
+            if self.redis is not None:
+                self._tasks.append(loop.create_task(self._listen()))
+            self._tasks.append(loop.create_task(self._housekeeping()))
+            self.ready = True
+
+    async def shutdown(self) -> None:
+        if not self.ready:
+            return
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.recorder.stop()
+        await self.limiter.drain()
+        await self.session.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+        self.ready = False
+
+    async def _listen(self) -> None:
+        """Revocations and routing changes, from every process, over Redis pub/sub."""
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(events.CREDENTIAL_REVOKED, routing.CHANNEL)
+                self.auth.clear()  # what was missed while not subscribed cannot be trusted
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    channel = message["channel"]
+                    if channel == events.CREDENTIAL_REVOKED.encode():
+                        self.auth.drop_lookup(message["data"].decode())
+                    else:
+                        self.routing.invalidate()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reconnect; the caches' lifetimes cover the gap
+                log.warning("gateway event subscription lost (%s); reconnecting", exc)
+                await asyncio.sleep(1)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(30)
+            self.auth.purge()
+
+    # -- ASGI ----------------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not self.ready:
+            await self.startup()
+        call = Call(scope, receive, send)
+        try:
+            path = call.path
+            if path in INFERENCE:
+                if call.method != "POST":
+                    raise MethodNotAllowed(f"{path} takes POST.")
+                await self.infer(call, *INFERENCE[path])
+            elif path == "/v1/models":
+                if call.method != "GET":
+                    raise MethodNotAllowed("/v1/models takes GET.")
+                await self.models(call)
+            elif path == "/metrics":
+                await call.respond(200, metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+                return
+            else:
+                raise EndpointNotFound(f"No such endpoint: {call.method} {path}.")
+        except BerthError as error:
+            call.error_code = error.code
+            if call.response_started:
+                call.status = error.status
+            else:
+                await call.respond(error.status, error_body(error), headers=getattr(error, "headers", None))
+        except ClientGone:
+            call.status, call.error_code = 499, "client_closed_request"
+        except asyncio.CancelledError:
+            if not call.disconnected:
+                raise
+            asyncio.current_task().uncancel()
+            call.status, call.error_code = 499, "client_closed_request"
+        except Exception:
+            log.exception("gateway request %s failed", call.request_id)
+            call.error_code = "internal_error"
+            if not call.response_started:
+                await call.respond(500, error_body(BerthError("Something went wrong in the gateway; it is logged.",
+                                                              code="internal_error", status=500)))
+            call.status = 500
+        finally:
+            self._record(call)
+
+    async def _principal(self, call: Call) -> Principal:
+        if call.authorization is None:
+            raise MissingKey("No API key: send it as `Authorization: Bearer brk_…`.")
+        header = call.authorization.decode("latin-1")
+        principal = await self.auth.principal(credential_from_header(header))
+        call.principal = principal
+        return principal
+
+    async def _body(self, call: Call) -> bytes:
+        if call.content_length is not None:
+            try:
+                if int(call.content_length) > self.max_body:
+                    raise TooLarge(f"The request body is larger than {self.max_body} bytes.")
+            except ValueError:
+                raise BadRequest("Content-Length is not a number.") from None
+        chunks = []
+        size = 0
+        while True:
+            message = await call.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise TooLarge(f"The request body is larger than {self.max_body} bytes.")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def models(self, call: Call) -> None:
+        call.endpoint = "models"
+        principal = await self._principal(call)
+        if not principal.may_infer:
+            raise InferenceNotAllowed("This key's client may not use the inference API.")
+        table = await self.routing.get()
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "berth", "state": route.state,
+                 "task": route.task}
+                for name, route in sorted(table.models.items()) if principal.allows(name)]
+        await call.respond(200, orjson.dumps({"object": "list", "data": data}))
+
+    async def infer(self, call: Call, endpoint: str, upstream_path: str, required: tuple[str, ...]) -> None:
+        call.endpoint = endpoint
+        principal = await self._principal(call)  # before the body is read
+        if not principal.may_infer:
+            raise InferenceNotAllowed("This key's client may not use the inference API.")
+        body = await self._body(call)
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise BadRequest("The request body is not valid JSON.") from None
+        if not isinstance(payload, dict):
+            raise BadRequest("The request body must be a JSON object.")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise BadRequest("`model` is required: the name of a model this key may use.", param="model")
+        call.model_asked = model[:200]
+        for field in required:
+            if payload.get(field) is None:
+                raise BadRequest(f"`{field}` is required.", param=field)
+        stream = endpoint in STREAMING and payload.get("stream") is True
+        call.stream = stream
+        if not principal.allows(model):
+            raise ModelNotAllowed(f"This key may not use the model {model[:200]!r}.", details={"model": model[:200]})
+        table = await self.routing.get()
+        route = table.route(model)
+        if route is None and time.monotonic() - table.loaded_at > 0.1:
+            # A model deployed since the last read (its change message may still be on the way):
+            # read again before saying it does not exist. At most ten reads a second per process.
+            table = await self.routing.fresh()
+            route = table.route(model)
+        if route is None:
+            raise ModelNotFound(f"The model {model[:200]!r} does not exist.", details={"model": model[:200]})
+        call.model_label = route.name
+        try:
+            admission = await self.limiter.admit(principal.plan, call.request_id)
+        except BerthError:
+            raise
+        except Exception as exc:  # Redis unreachable: refuse rather than serve unlimited
+            log.warning("rate limiter unavailable: %s", exc)
+            raise LimiterUnavailable("Rate limits cannot be checked right now; retry shortly.") from None
+        call.extra_headers = admission.headers
+        if admission.budget_warning:
+            call.extra_headers.append((b"x-berth-budget-warning", b"a soft token budget of this key's scope is used up"))
+        watcher = None
+        try:
+            if not route.endpoints:
+                route = await self._admit_while_loading(call, route)
+            if stream:
+                options = payload.get("stream_options")
+                if not isinstance(options, dict) or options.get("include_usage") is not True:
+                    payload["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                                 "include_usage": True}
+                    body = orjson.dumps(payload)
+            watcher = asyncio.get_running_loop().create_task(self._watch(call, asyncio.current_task()))
+            await self._forward(call, route, upstream_path, body)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            tokens = (call.prompt_tokens or 0) + (call.completion_tokens or 0)
+            self.limiter.settle(principal.plan, call.request_id, tokens)
+
+    async def _watch(self, call: Call, task: asyncio.Task) -> None:
+        """Cancel the request when its client goes away (the engine's request is closed with it)."""
+        while True:
+            message = await call.receive()
+            if message["type"] == "http.disconnect":
+                if not call.finished and not call.saw_done:
+                    call.disconnected = True
+                    task.cancel()
+                return
+
+    async def _admit_while_loading(self, call: Call, route: routing.ModelRoute) -> routing.ModelRoute:
+        """Ask for the model to be loaded and wait, in a bounded queue, up to the admission timeout."""
+        model = route.name
+        if self.waiting.get(model, 0) >= self.queue_size:
+            raise QueueFull(f"Too many requests are waiting for {model} to load; retry later.",
+                            details={"model": model, "queue": self.queue_size})
+        self.waiting[model] = self.waiting.get(model, 0) + 1
+        began = time.perf_counter()
+        try:
+            ticket = await run_db(routing.request_load, model)  # raises ModelNotLoadable: 503, no Retry-After
+            deadline = began + self.admission_timeout
+            while True:
+                table = await self.routing.fresh()
+                current = table.route(model)
+                if current is not None and current.endpoints:
+                    return current
+                if current is None or current.state not in routing.LOADABLE_STATES:
+                    ticket = await run_db(routing.request_load, model)
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    waited = time.perf_counter() - began
+                    retry = max(1, math.ceil(ticket.expected_seconds - waited))
+                    error = ModelLoading(f"{model} is loading; retry in about {retry} s.",
+                                         details={"model": model, "expected_seconds": retry})
+                    error.headers = [(b"retry-after", str(retry).encode())]
+                    raise error
+                await asyncio.sleep(min(0.25, left))
+        finally:
+            self.waiting[model] -= 1
+            call.queue_ms = round((time.perf_counter() - began) * 1000, 3)
+            metrics.QUEUE.labels(model).observe(call.queue_ms / 1000)
+
+    async def _forward(self, call: Call, route: routing.ModelRoute, upstream_path: str, body: bytes) -> None:
+        tried = None
+        for attempt in (0, 1):
+            endpoint = self.balancer.pick(route.endpoints, exclude=tried)
+            if endpoint is None:
+                raise NoReplica(f"No replica of {route.name} can be reached.", details={"model": route.name})
+            call.replica_id = endpoint.replica_id
+            headers = {"Authorization": "Bearer " + endpoint.key, "Content-Type": "application/json",
+                       "X-Request-Id": call.request_id}
+            self.balancer.begin(endpoint)
+            try:
+                try:
+                    response = await self.session.post(endpoint.url + upstream_path, data=body, headers=headers,
+                                                       timeout=self.timeout)
+                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
+                    self.balancer.failed(endpoint)
+                    tried = endpoint.replica_id
+                    if attempt == 0 and self.balancer.available(route.endpoints, exclude=tried):
+                        log.info("request %s: replica %s unreachable (%s); retrying on another",
+                                 call.request_id, endpoint.replica_id, exc.__class__.__name__)
+                        continue
+                    raise UpstreamError(f"Could not reach a replica of {route.name}.",
+                                        details={"model": route.name}) from None
+                except asyncio.TimeoutError:
+                    raise UpstreamTimeout(f"{route.name} did not answer in time.") from None
+                self.balancer.succeeded(endpoint)
+                try:
+                    if call.stream and response.status == 200:
+                        await self._relay_stream(call, response)
+                    else:
+                        await self._relay_whole(call, response)
+                finally:
+                    if call.finished and not call.disconnected:
+                        response.release()
+                    else:
+                        response.close()  # closes the engine's connection: it stops generating
+            finally:
+                self.balancer.end(endpoint)
+            return
+
+    async def _relay_whole(self, call: Call, response: aiohttp.ClientResponse) -> None:
+        try:
+            data = await response.read()
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout("The engine did not finish in time.") from None
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, ConnectionError):
+            raise UpstreamError("The engine's connection broke before it answered.") from None
+        status = response.status
+        if status < 300:
+            _usage_from(data, call)
+            await call.respond(status, data)
+            return
+        if status in (400, 413, 422):
+            try:
+                parsed = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+                call.error_code = str(parsed["error"].get("code") or parsed["error"].get("type") or "")[:64]
+                await call.respond(status, data)
+                return
+            raise BerthError("The engine refused the request.", code="invalid_request", status=status)
+        if status == 503:
+            error = ModelLoading("The engine is busy or still loading; retry shortly.")
+            error.headers = [(b"retry-after", b"1")]
+            raise error
+        raise UpstreamError(f"The engine answered with status {status}.", details={"upstream_status": status})
+
+    async def _relay_stream(self, call: Call, response: aiohttp.ClientResponse) -> None:
+        headers = [(b"x-request-id", call.rid_bytes), (b"content-type", b"text/event-stream"),
+                   (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        if call.extra_headers:
+            headers += call.extra_headers
+        call.status = 200
+        call.response_started = True
+        send = call.send
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        tail = b""
+        try:
+            async for chunk in response.content.iter_any():
+                if call.ttft_ms is None:
+                    call.ttft_ms = round((time.perf_counter() - call.started) * 1000, 3)
+                window = tail + chunk if tail else chunk
+                if b'"usage"' in window or b"_tokens" in window:
+                    _usage_from(window, call)
+                if b"data: [DONE]" in window:
+                    call.saw_done = True
+                tail = window[-600:]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, ConnectionError, asyncio.TimeoutError
+                ) as exc:
+            timed_out = isinstance(exc, asyncio.TimeoutError)
+            error = (UpstreamTimeout("The engine stopped sending in time.") if timed_out
+                     else UpstreamError("The engine's connection broke mid-stream; the answer is incomplete."))
+            call.status, call.error_code = error.status, error.code
+            call.finished = True
+            await send({"type": "http.response.body", "body": b"data: " + error_body(error) + b"\n\n",
+                        "more_body": False})
+            return
+        call.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # -- after the answer ----------------------------------------------------------------------
+
+    def _record(self, call: Call) -> None:
+        finished_wall = time.time()
+        total_ms = round((time.perf_counter() - call.started) * 1000, 3)
+        principal = call.principal
+        line = {"request_id": call.request_id, "method": call.method, "path": call.path, "status": call.status,
+                "model_asked": call.model_asked, "model_served": call.model_label if call.replica_id else "",
+                "replica": call.replica_id, "queue_ms": call.queue_ms, "ttft_ms": call.ttft_ms, "total_ms": total_ms,
+                "prompt_tokens": call.prompt_tokens, "completion_tokens": call.completion_tokens,
+                "key": principal.key_prefix if principal else None,
+                "client": principal.client_id if principal else None,
+                "project": principal.project_path if principal else None, "error": call.error_code or None}
+        row = None
+        if principal is not None and call.endpoint and call.endpoint != "models":
+            row = {"request_id": call.request_id, "started_at": call.started_wall, "finished_at": finished_wall,
+                   "endpoint": call.endpoint, "stream": call.stream, "model_asked": call.model_asked,
+                   "model_served": line["model_served"], "replica_id": call.replica_id, "status": call.status,
+                   "error_code": call.error_code, "queue_ms": call.queue_ms, "ttft_ms": call.ttft_ms,
+                   "total_ms": total_ms, "prompt_tokens": call.prompt_tokens,
+                   "completion_tokens": call.completion_tokens, "credential_id": principal.credential_pk,
+                   "key_prefix": principal.key_prefix, "client_id": principal.client_pk,
+                   "project_id": principal.project_pk, "scope_path": principal.project_path}
+        self.recorder.add(row, line)
+        if call.endpoint:
+            label = call.model_label
+            metrics.REQUESTS.labels(label, call.endpoint, str(call.status)).inc()
+            metrics.LATENCY.labels(label, call.endpoint).observe(total_ms / 1000)
+            if call.ttft_ms is not None:
+                metrics.TTFT.labels(label).observe(call.ttft_ms / 1000)
+            if call.prompt_tokens:
+                metrics.TOKENS.labels(label, "prompt").inc(call.prompt_tokens)
+            if call.completion_tokens:
+                metrics.TOKENS.labels(label, "completion").inc(call.completion_tokens)
+
+
+gateway = Gateway()

@@ -1,0 +1,143 @@
+"""Who is calling: a key's principal, cached in-process so the hot path does not touch the database.
+
+A key's plaintext is never kept: entries are indexed by a digest of it. On a miss the principal is
+built in a database thread by Tenancy's single-lookup ``authenticate`` (plus one query for the
+contracts up the tree) and kept ``GATEWAY_AUTH_CACHE_SECONDS``; refusals are kept as long, so a
+flood of bad keys costs one lookup per key and window. A revocation published on Redis drops the
+key's entries at once in every process (``drop_lookup``); an expiry ends the entry when the key
+expires; disabling a client or changing limits takes effect within the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+
+from berth.errors import BerthError
+from gateway.limits import Budget, Level, Plan
+from gateway.threads import run_db
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    credential_pk: int
+    credential_id: str
+    key_prefix: str
+    lookup: str
+    client_pk: int
+    client_id: str
+    client_name: str
+    project_pk: int
+    project_path: str
+    all_models: bool
+    allowed_models: frozenset
+    may_infer: bool
+    environment: str
+    plan: Plan
+
+    def allows(self, model: str) -> bool:
+        return self.all_models or model in self.allowed_models
+
+
+def load_principal(plaintext: str) -> tuple[Principal, float | None]:
+    """(principal, expiry as a Unix time or None) for a key; raises Tenancy's refusals. Database."""
+    from tenancy.services import clients, contracts
+
+    credential = clients.authenticate(plaintext)
+    client = credential.client
+    project = client.project
+    chain = {contract.scope.path: contract for contract in contracts.limit_chain(project)}
+    levels = [Level("client", f"client:{client.public_id}", client.rpm_limit, client.tpm_limit,
+                    client.concurrency_limit)]
+    budgets = []
+    kinds = ("project", "team", "org")
+    for position, path in enumerate(project.ancestor_paths()):
+        contract = chain.get(path)
+        if contract is None:
+            continue
+        kind = kinds[position] if position < len(kinds) else "scope"
+        levels.append(Level(kind, f"scope:{path}", contract.rpm_limit, contract.tpm_limit,
+                            contract.concurrency_limit))
+        budgets.append(Budget(path, contract.daily_token_budget, contract.monthly_token_budget,
+                              contract.budget_mode == "hard"))
+    principal = Principal(
+        credential_pk=credential.pk, credential_id=str(credential.public_id), key_prefix=credential.prefix,
+        lookup=credential.lookup, client_pk=client.pk, client_id=str(client.public_id), client_name=client.name,
+        project_pk=project.pk, project_path=project.path, all_models=client.all_models,
+        allowed_models=frozenset(client.allowed_models or ()), may_infer=client.may_infer,
+        environment=client.environment, plan=Plan.build(levels, budgets))
+    return principal, credential.expires_at.timestamp() if credential.expires_at else None
+
+
+class AuthCache:
+    def __init__(self, ttl: float, max_entries: int = 100_000):
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: dict[bytes, tuple[float, Principal | BerthError]] = {}
+        self._by_lookup: dict[str, set[bytes]] = {}
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        self._revoked_at: dict[str, float] = {}  # lookup -> monotonic time of the revocation message
+
+    async def principal(self, plaintext: str) -> Principal:
+        digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
+        entry = self._entries.get(digest)
+        now = time.monotonic()
+        if entry is not None and entry[0] > now:
+            value = entry[1]
+            if isinstance(value, BerthError):
+                raise value
+            return value
+        pending = self._inflight.get(digest)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_task(self._load(plaintext, digest, now))
+            self._inflight[digest] = pending
+            pending.add_done_callback(lambda _: self._inflight.pop(digest, None))
+        return await asyncio.shield(pending)
+
+    async def _load(self, plaintext: str, digest: bytes, started: float) -> Principal:
+        try:
+            principal, expires_at = await run_db(load_principal, plaintext)
+        except BerthError as refusal:
+            self._store(digest, refusal, started + self.ttl, None)
+            raise
+        until = started + self.ttl
+        if expires_at is not None:
+            until = min(until, started + max(0.0, expires_at - time.time()))
+        revoked = self._revoked_at.get(principal.lookup)
+        if revoked is None or revoked < started:  # a revocation seen while loading: do not trust the row
+            self._store(digest, principal, until, principal.lookup)
+        return principal
+
+    def _store(self, digest: bytes, value, until: float, lookup: str | None) -> None:
+        if self.ttl <= 0:
+            return
+        if len(self._entries) >= self.max_entries:
+            self.purge()
+            if len(self._entries) >= self.max_entries:
+                return
+        self._entries[digest] = (until, value)
+        if lookup:
+            self._by_lookup.setdefault(lookup, set()).add(digest)
+
+    def purge(self) -> None:
+        now = time.monotonic()
+        for digest in [d for d, (until, _) in self._entries.items() if until <= now]:
+            del self._entries[digest]
+        for lookup in list(self._by_lookup):
+            self._by_lookup[lookup] = {d for d in self._by_lookup[lookup] if d in self._entries}
+            if not self._by_lookup[lookup]:
+                del self._by_lookup[lookup]
+        cutoff = now - 600
+        self._revoked_at = {k: v for k, v in self._revoked_at.items() if v > cutoff}
+
+    def drop_lookup(self, lookup: str) -> None:
+        """A key was revoked: forget it now."""
+        self._revoked_at[lookup] = time.monotonic()
+        for digest in self._by_lookup.pop(lookup, ()):
+            self._entries.pop(digest, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._by_lookup.clear()
