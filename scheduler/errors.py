@@ -1,5 +1,47 @@
-from berth.errors import InvalidInput
+from berth.errors import Conflict, InvalidInput, NotFound
 
 
 class InvalidNodeReport(InvalidInput):
     code = "invalid_node_report"
+
+
+class InvalidNodeState(Conflict):
+    """Cordon, uncordon or drain asked of a node whose state does not allow it."""
+
+    code = "invalid_node_state"
+
+
+class InvalidEstimateRequest(InvalidInput):
+    code = "invalid_estimate_request"
+
+
+class UnreadableModel(InvalidInput):
+    """The model's files exist but their header or config cannot be read as a model."""
+
+    code = "unreadable_model"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class ModelOutsideRoots(InvalidInput):
+    """A path outside the directories Berth may read models from (``BERTH_MODEL_ROOTS``)."""
+
+    code = "model_outside_roots"
+
+
+class InsufficientMemory(Conflict):
+    """A fit check under the node's lock found too little free memory; details carry the fit and plans."""
+
+    code = "insufficient_memory"
+
+
+class NotPlaceable(Conflict):
+    """The accelerator (or node) cannot take work: unhealthy, MIG card with nothing carved, not ready."""
+
+    code = "not_placeable"
+
+
+class InvalidCalibration(InvalidInput):
+    code = "invalid_calibration"

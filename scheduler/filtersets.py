@@ -1,6 +1,6 @@
 import django_filters
 
-from scheduler.models import Node
+from scheduler.models import Accelerator, CalibrationRecord, Node
 
 
 class NodeFilterSet(django_filters.FilterSet):
@@ -12,3 +12,26 @@ class NodeFilterSet(django_filters.FilterSet):
     class Meta:
         model = Node
         fields = ["q", "state"]
+
+
+class AcceleratorFilterSet(django_filters.FilterSet):
+    node = django_filters.UUIDFilter(field_name="node__public_id")
+    accelerator_class = django_filters.CharFilter(lookup_expr="iexact", label="Class")
+    kind = django_filters.ChoiceFilter(choices=Accelerator.Kind.choices)
+    placeable = django_filters.BooleanFilter()
+
+    class Meta:
+        model = Accelerator
+        fields = ["node", "accelerator_class", "kind", "placeable"]
+
+
+class CalibrationRecordFilterSet(django_filters.FilterSet):
+    model_key = django_filters.CharFilter()
+    model_name = django_filters.CharFilter(lookup_expr="icontains")
+    engine = django_filters.CharFilter()
+    engine_version = django_filters.CharFilter()
+    outcome = django_filters.ChoiceFilter(choices=CalibrationRecord.Outcome.choices)
+
+    class Meta:
+        model = CalibrationRecord
+        fields = ["model_key", "model_name", "engine", "engine_version", "outcome"]

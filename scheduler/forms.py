@@ -1,1 +1,42 @@
-"""Console forms of the scheduler (cordon, drain and the fit planner come with Scheduler I)."""
+"""Console forms of the scheduler: node actions and the estimate ("will this fit")."""
+
+from django import forms
+
+from scheduler.estimation.engines import CACHE_TYPE_BYTES, VLLM_KV_DTYPE_BYTES
+from scheduler.models import Accelerator, Node
+
+
+class NodeActionForm(forms.Form):
+    reason = forms.CharField(required=False, max_length=500)
+
+
+class EstimateForm(forms.Form):
+    model_path = forms.CharField(label="Model", max_length=4096,
+                                 help_text="A .gguf file or a Hugging Face folder under the model directories.")
+    engine = forms.ChoiceField(choices=[("llamacpp", "llama.cpp"), ("vllm", "vLLM")], initial="llamacpp")
+    node = forms.ModelChoiceField(queryset=Node.objects.all(), required=False, to_field_name="public_id",
+                                  empty_label="(no node: estimate only)")
+    accelerator = forms.ModelChoiceField(queryset=Accelerator.objects.filter(placeable=True).select_related("node"),
+                                         required=False, to_field_name="public_id", empty_label="(the node's memory)")
+    ctx_size = forms.IntegerField(label="Context", required=False, min_value=1, max_value=10_000_000,
+                                  help_text="llama.cpp --ctx-size / vLLM max_model_len; empty: the model's.")
+    parallel = forms.IntegerField(label="Parallel", required=False, min_value=1, max_value=4096, initial=1,
+                                  help_text="llama.cpp --parallel / vLLM max_num_seqs.")
+    cache_type = forms.ChoiceField(label="KV cache", required=False,
+                                   choices=[("", "default")] + [(c, c) for c in CACHE_TYPE_BYTES]
+                                   + [(c, c) for c in VLLM_KV_DTYPE_BYTES if c != "auto"])
+    n_gpu_layers = forms.IntegerField(label="GPU layers", required=False, min_value=-1, initial=0,
+                                      help_text="llama.cpp -ngl: 0 CPU only, -1 all.")
+
+    def engine_values(self) -> dict:
+        data = self.cleaned_data
+        if data["engine"] == "llamacpp":
+            values = {"ctx_size": data.get("ctx_size"), "parallel": data.get("parallel"),
+                      "n_gpu_layers": data.get("n_gpu_layers")}
+            if data.get("cache_type"):
+                values |= {"cache_type_k": data["cache_type"], "cache_type_v": data["cache_type"]}
+        else:
+            values = {"max_model_len": data.get("ctx_size"), "max_num_seqs": data.get("parallel")}
+            if data.get("cache_type"):
+                values["kv_cache_dtype"] = data["cache_type"]
+        return {k: v for k, v in values.items() if v is not None}

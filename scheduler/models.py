@@ -22,6 +22,12 @@ class Node(models.Model):
     memory_total_bytes = models.BigIntegerField(null=True, blank=True)
     memory_available_bytes = models.BigIntegerField(null=True, blank=True)
     agent_version = models.CharField(max_length=64, blank=True)
+    cpu_load_1m = models.FloatField(null=True, blank=True)
+    unified_memory = models.BooleanField(
+        default=False, help_text="CPU and GPU share one memory (e.g. GB10): the node's RAM is the GPU's budget.")
+    gpu_source = models.CharField(max_length=32, blank=True, help_text="How the GPUs were read: nvml or nvidia-smi.")
+    gpu_note = models.TextField(blank=True, help_text="What discovery said, e.g. why no GPUs were found.")
+    driver_version = models.CharField(max_length=64, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -59,3 +65,161 @@ class NodeEngine(models.Model):
 
     def __str__(self) -> str:
         return f"{self.get_kind_display()} {self.version} on {self.node.name}"
+
+
+class Accelerator(models.Model):
+    """A GPU, or one MIG instance of a GPU in MIG mode: the unit a replica is placed on.
+
+    A card in MIG mode is kept for the record but is not placeable itself: its instances are
+    (``parent`` points at the card). A replica on a MIG instance uses exactly that one instance.
+    """
+
+    class Kind(models.TextChoices):
+        GPU = "gpu", "GPU"
+        MIG = "mig", "MIG instance"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="accelerators")
+    parent = models.ForeignKey("self", on_delete=models.CASCADE, null=True, blank=True, related_name="instances")
+    kind = models.CharField(max_length=8, choices=Kind.choices, default=Kind.GPU)
+    index = models.PositiveIntegerField(help_text="The card's index; for a MIG instance, its parent card's.")
+    mig_index = models.PositiveIntegerField(null=True, blank=True)
+    uuid = models.CharField(max_length=128)
+    name = models.CharField(max_length=255, blank=True)
+    accelerator_class = models.CharField(max_length=128, blank=True)
+    profile = models.CharField(max_length=32, blank=True, help_text="MIG profile, e.g. 3g.40gb.")
+    pci_bus_id = models.CharField(max_length=64, blank=True)
+    mig_enabled = models.BooleanField(default=False)
+    memory_total_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_used_bytes = models.BigIntegerField(null=True, blank=True)
+    utilisation_percent = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    power_watts = models.FloatField(null=True, blank=True)
+    power_limit_watts = models.FloatField(null=True, blank=True)
+    throttle_reasons = models.JSONField(null=True, blank=True)  # null: not read; []: read, none active
+    healthy = models.BooleanField(null=True, blank=True)
+    health_reason = models.TextField(blank=True)
+    placeable = models.BooleanField(default=True)
+    unplaceable_reason = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["node__name", "index", "mig_index"]
+        constraints = [models.UniqueConstraint(fields=["node", "uuid"], name="one_accelerator_per_uuid_per_node")]
+
+    def __str__(self) -> str:
+        where = f"{self.index}" if self.mig_index is None else f"{self.index}/{self.mig_index}"
+        return f"{self.accelerator_class or self.name} #{where} on {self.node.name}"
+
+
+class AcceleratorSample(models.Model):
+    """One telemetry reading of an accelerator; only the most recent few are kept."""
+
+    accelerator = models.ForeignKey(Accelerator, on_delete=models.CASCADE, related_name="samples")
+    taken_at = models.DateTimeField(db_index=True)
+    memory_used_bytes = models.BigIntegerField(null=True, blank=True)
+    utilisation_percent = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    power_watts = models.FloatField(null=True, blank=True)
+    power_limit_watts = models.FloatField(null=True, blank=True)
+    throttle_reasons = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-taken_at", "-id"]
+
+
+class NodeSample(models.Model):
+    """One telemetry reading of a node (CPU load, MemAvailable); only the most recent few are kept."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="samples")
+    taken_at = models.DateTimeField(db_index=True)
+    cpu_load_1m = models.FloatField(null=True, blank=True)
+    memory_available_bytes = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-taken_at", "-id"]
+
+
+class ModelDirectory(models.Model):
+    """A directory a node watches for model weights."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="model_directories")
+    path = models.CharField(max_length=1024)
+
+    class Meta:
+        ordering = ["path"]
+        constraints = [models.UniqueConstraint(fields=["node", "path"], name="one_model_directory_per_path")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}:{self.path}"
+
+
+class HeldWeight(models.Model):
+    """A weights file (or a model folder) a node holds in one of its model directories."""
+
+    directory = models.ForeignKey(ModelDirectory, on_delete=models.CASCADE, related_name="weights")
+    path = models.CharField(max_length=1024)
+    size_bytes = models.BigIntegerField(null=True, blank=True)
+    format = models.CharField(max_length=32, blank=True)
+
+    class Meta:
+        ordering = ["path"]
+        constraints = [models.UniqueConstraint(fields=["directory", "path"], name="one_held_weight_per_path")]
+
+
+class MemoryReservation(models.Model):
+    """Memory a deployment holds on a node (and accelerator), claimed under the node's lock.
+
+    ``holder`` is the caller's stable name for what holds it (Serving passes its replica id);
+    reserving again for the same holder replaces the figure.
+    """
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="reservations")
+    accelerator = models.ForeignKey(Accelerator, on_delete=models.CASCADE, null=True, blank=True,
+                                    related_name="reservations")
+    holder = models.CharField(max_length=255, unique=True)
+    bytes = models.BigIntegerField()
+    description = models.CharField(max_length=255, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["node__name", "created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.holder}: {self.bytes} B on {self.node.name}"
+
+
+class CalibrationRecord(models.Model):
+    """What an engine really used for a model and configuration, against what was estimated.
+
+    Keyed by model, engine, engine version, device and the configuration that matters
+    (``config_key``, a canonical text of ``config``). An ``oom`` record exists only with evidence
+    (the kernel OOM killer's line, Docker's OOMKilled, the engine's out-of-memory message).
+    """
+
+    class Outcome(models.TextChoices):
+        LOADED = "loaded", "Loaded"
+        OOM = "oom", "Out of memory"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    model_key = models.CharField(max_length=255)
+    model_name = models.CharField(max_length=255, blank=True)
+    engine = models.CharField(max_length=16)
+    engine_version = models.CharField(max_length=128)
+    device = models.CharField(max_length=128, help_text="cpu, or the accelerator class.")
+    config = models.JSONField(default=dict)
+    config_key = models.CharField(max_length=512)
+    estimated_bytes = models.BigIntegerField()
+    measured_bytes = models.BigIntegerField(null=True, blank=True)
+    outcome = models.CharField(max_length=8, choices=Outcome.choices)
+    evidence = models.TextField(blank=True)
+    node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["model_key", "engine", "engine_version", "device"], name="calibration_key")]
+
+    def __str__(self) -> str:
+        return f"{self.model_name or self.model_key} on {self.engine} {self.engine_version} ({self.outcome})"

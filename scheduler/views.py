@@ -1,20 +1,105 @@
-from django.contrib.auth.mixins import LoginRequiredMixin
+from django.contrib import messages
+from django.contrib.auth.mixins import LoginRequiredMixin, UserPassesTestMixin
+from django.db.models import Prefetch
+from django.shortcuts import get_object_or_404, redirect
+from django.views import View
 
-from berth.htmx import PageView
+from berth.errors import BerthError
+from berth.htmx import PageView, render_page
+from scheduler import memory, services
 from scheduler.filtersets import NodeFilterSet
-from scheduler.models import Node
-from scheduler.tables import NodeTable
+from scheduler.forms import EstimateForm, NodeActionForm
+from scheduler.models import Accelerator, AcceleratorSample, ModelDirectory, Node, NodeSample
+from scheduler.presenting import estimate_payload
+from scheduler.tables import AcceleratorTable, NodeTable
+from tenancy import audit
+
+
+def _accelerators():
+    return Accelerator.objects.select_related("node").prefetch_related("reservations").order_by(
+        "node__name", "index", "mig_index")
 
 
 class FleetView(LoginRequiredMixin, PageView):
-    """The fleet's nodes; the table refreshes itself through the same URL's fragment."""
+    """The fleet's nodes and accelerators; the tables refresh themselves through the same URL's fragment."""
 
     template_name = "scheduler/fleet.html"
     fragment_template_name = "scheduler/fleet_table.html"
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        filterset = NodeFilterSet(self.request.GET, queryset=Node.objects.prefetch_related("engines"))
+        filterset = NodeFilterSet(self.request.GET, queryset=Node.objects.prefetch_related(
+            "engines", Prefetch("accelerators", queryset=Accelerator.objects.all())))
         context["filterset"] = filterset
         context["table"] = NodeTable(filterset.qs)
+        context["accelerators"] = AcceleratorTable(_accelerators().filter(node__in=filterset.qs),
+                                                   empty_message="No GPUs reported by these nodes.")
         return context
+
+
+class NodeDetailView(LoginRequiredMixin, PageView):
+    template_name = "scheduler/node.html"
+    fragment_template_name = "scheduler/node_live.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        node = get_object_or_404(Node.objects.prefetch_related(
+            "engines", Prefetch("model_directories", queryset=ModelDirectory.objects.prefetch_related("weights"))),
+            public_id=kwargs["public_id"])
+        context["node"] = node
+        context["accelerators"] = AcceleratorTable(_accelerators().filter(node=node),
+                                                   empty_message=node.gpu_note or "No GPUs reported.")
+        context["node_samples"] = NodeSample.objects.filter(node=node)[:20]
+        context["gpu_samples"] = (AcceleratorSample.objects.filter(accelerator__node=node)
+                                  .select_related("accelerator")[:40])
+        context["can_act"] = self.request.user.is_staff
+        context["actions"] = [verb for verb, (allowed, _) in services._TRANSITIONS.items() if node.state in allowed]
+        return context
+
+
+class NodeActionView(LoginRequiredMixin, UserPassesTestMixin, View):
+    """POST cordon / uncordon / drain: staff only until tenancy's permissions cover the fleet."""
+
+    verbs = {"cordon": services.cordon, "uncordon": services.uncordon, "drain": services.drain}
+
+    def test_func(self):
+        return self.request.user.is_staff
+
+    def post(self, request, public_id, verb):
+        node = get_object_or_404(Node, public_id=public_id)
+        if verb not in self.verbs:
+            return redirect("scheduler:node", public_id=public_id)
+        form = NodeActionForm(request.POST)
+        reason = form.cleaned_data["reason"] if form.is_valid() else ""
+        try:
+            node = self.verbs[verb](node, audit.Actor.from_request(request), reason=reason)
+            messages.success(request, f"{node.name} is {node.get_state_display().lower()}.")
+        except BerthError as error:
+            messages.error(request, error.message)
+        return redirect("scheduler:node", public_id=public_id)
+
+
+class EstimateView(LoginRequiredMixin, View):
+    """Will this fit, and what is it made of: the form, and its answer as a fragment."""
+
+    template_name = "scheduler/estimate.html"
+    fragment_template_name = "scheduler/estimate_result.html"
+
+    def get(self, request):
+        form = EstimateForm(request.GET or None)
+        context = {"form": form}
+        if request.GET and form.is_valid():
+            context.update(self._answer(form))
+        return render_page(request, self.template_name, self.fragment_template_name, context,
+                           status=400 if context.get("error") else 200)
+
+    post = get  # a form may post; nothing changes either way
+
+    def _answer(self, form) -> dict:
+        data = form.cleaned_data
+        try:
+            result = memory.estimate_and_fit(data["model_path"], data["engine"], form.engine_values(),
+                                             node=data.get("node"), accelerator=data.get("accelerator"))
+        except BerthError as error:
+            return {"error": error}
+        return {"result": estimate_payload(result)}

@@ -12,6 +12,7 @@ import socket
 from django.conf import settings
 
 import berth
+from scheduler.nvml import discover_gpus
 from scheduler.services import NodeReport
 from serving.engines.installed import local_engines
 
@@ -43,4 +44,6 @@ def local_node_report() -> NodeReport:
         memory_available_bytes=memory.get("MemAvailable"),
         agent_version=AGENT_VERSION,
         engines=tuple(local_engines()),
+        cpu_load_1m=os.getloadavg()[0],
+        gpus=discover_gpus(),
     )

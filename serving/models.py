@@ -17,9 +17,9 @@ class DeploymentState(models.TextChoices):
     UNKNOWN = "unknown", "Unknown"  # a running managed engine found without a record
 
 
-# States in which a replica holds its port and memory on the node.
-HOLDING_STATES = (DeploymentState.QUEUED, DeploymentState.STARTING, DeploymentState.LOADING, DeploymentState.READY,
-                  DeploymentState.SLEEPING, DeploymentState.STOPPING, DeploymentState.UNKNOWN)
+# States in which a replica holds its port and memory on the node (from the moment it is planned).
+HOLDING_STATES = (DeploymentState.PLANNED, DeploymentState.QUEUED, DeploymentState.STARTING, DeploymentState.LOADING,
+                  DeploymentState.READY, DeploymentState.SLEEPING, DeploymentState.STOPPING, DeploymentState.UNKNOWN)
 
 
 class Deployment(models.Model):

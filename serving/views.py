@@ -1,12 +1,108 @@
-from berth.views import AreaPlaceholderView
+"""The Models area of the console: deployments, one deployment, and the deploy wizard."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth.mixins import LoginRequiredMixin
+from django.http import Http404
+from django.shortcuts import redirect
+from django.views import View
+
+from berth.errors import BerthError
+from berth.htmx import PageView, render_page
+from serving.api.views import visible_deployments
+from serving.deployments import service
+from serving.forms import DeployForm
+from serving.tables import DeploymentTable, EventTable
+from tenancy import access
+from tenancy.audit import Actor
+from tenancy.models import Scope
+from tenancy.services.tree import resolve_scope
 
 
-class IndexView(AreaPlaceholderView):
-    title = "Models"
-    summary = "How a model runs: the model catalog and mirror, engines and runtimes, deployments and their replicas."
-    coming = (
-        "The model catalog and mirror (Held, Explore, Fetch)",
-        "Deployments of llama-server and vLLM, as processes or Docker containers",
-        "Start-up gate, health, sleep/wake, switch with rollback, the memory watchdog",
-        "The node agent and the reconcile loop",
-    )
+class DeploymentsView(LoginRequiredMixin, PageView):
+    template_name = "serving/deployments.html"
+    fragment_template_name = "serving/deployments_table.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["table"] = DeploymentTable(visible_deployments(self.request.user))
+        return context
+
+
+class DeploymentView(LoginRequiredMixin, PageView):
+    template_name = "serving/deployment.html"
+    fragment_template_name = "serving/deployment_live.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        deployment = visible_deployments(self.request.user).filter(public_id=kwargs["public_id"]).first()
+        if deployment is None:
+            raise Http404("No such deployment, or it is outside your reach.")
+        events = list(deployment.events.all())
+        context.update(deployment=deployment, events=EventTable(reversed(events)),
+                       log_tail=next((e.log_tail for e in reversed(events) if e.log_tail), ""),
+                       settled=deployment.state in ("ready", "stopped", "failed", "sleeping"))
+        return context
+
+
+class DeploymentActionView(LoginRequiredMixin, View):
+    """POST stop / start / remove on one deployment, then back to where the person was."""
+
+    verbs = {"stop": service.stop, "start": service.start, "remove": service.remove}
+
+    def post(self, request, public_id, verb):
+        deployment = visible_deployments(request.user).filter(public_id=public_id).first()
+        if deployment is None or verb not in self.verbs:
+            raise Http404("No such deployment, or it is outside your reach.")
+        try:
+            self.verbs[verb](Actor.from_request(request), deployment)
+        except BerthError as error:
+            messages.error(request, error.message)
+            return redirect("serving:deployment", public_id=public_id)
+        if verb == "remove":
+            messages.success(request, f"{deployment.name} removed.")
+            return redirect("serving:index")
+        return redirect("serving:deployment", public_id=public_id)
+
+
+class DeployView(LoginRequiredMixin, View):
+    """The wizard: the preview runs as one types (debounced); only Deploy changes anything."""
+
+    def get(self, request):
+        return render_page(request, "serving/deploy.html", "serving/deploy.html", {"form": DeployForm()})
+
+    def post(self, request):
+        form = DeployForm(request.POST)
+        if form.is_valid():
+            try:
+                deployment = service.deploy(Actor.from_request(request), _request(request, form))
+            except BerthError as error:
+                form.add_error(None, error.message)
+                return render_page(request, "serving/deploy.html", "serving/deploy.html",
+                                   {"form": form, "refusal": error}, status=error.status)
+            messages.success(request, f"{deployment.name} is deploying on {deployment.node.name}.")
+            return redirect("serving:deployment", public_id=deployment.public_id)
+        return render_page(request, "serving/deploy.html", "serving/deploy.html", {"form": form}, status=400)
+
+
+class PreviewView(LoginRequiredMixin, View):
+    def post(self, request):
+        form = DeployForm(request.POST)
+        context = {"form": form}
+        if form.is_valid():
+            try:
+                context["result"] = service.preview(_request(request, form))
+            except BerthError as error:
+                context["error"] = error
+        return render_page(request, "serving/preview.html", "serving/preview.html", context)
+
+
+def _request(request, form) -> service.DeployRequest:
+    data = form.cleaned_data
+    owner = None
+    if data.get("owner"):
+        owner = resolve_scope(data["owner"], access.visible_to(request.user, Scope.objects.all(), ""))
+    return service.DeployRequest(name=data["name"], model_path=data["model_path"], node=data["node"],
+                                 engine=data["engine"], runtime=data["runtime"], task=data["task"],
+                                 config=form.engine_config(), owner=owner, priority=data["priority"])

@@ -12,6 +12,7 @@ from django.conf import settings
 from serving.engines import build_llamacpp
 from tests.assets.gguf_models import ModelShape, write_gguf
 from tests.assets.llama_server import LlamaServer
+from tests.assets.personas import personas  # noqa: F401  (a fixture for every area)
 from tests.assets.smollm2 import smollm2_path
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"

@@ -1,17 +1,118 @@
+from django.db.models import Prefetch
+from django.shortcuts import get_object_or_404
 from django_filters.rest_framework import DjangoFilterBackend
-from rest_framework import viewsets
+from rest_framework import mixins, permissions, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from scheduler.api.serializers import NodeSerializer
-from scheduler.filtersets import NodeFilterSet
-from scheduler.models import Node
+from scheduler import memory, services
+from scheduler.api.serializers import (
+    AcceleratorSerializer, CalibrationRecordSerializer, EstimateRequestSerializer, NodeActionSerializer,
+    NodeSerializer,
+)
+from scheduler.filtersets import AcceleratorFilterSet, CalibrationRecordFilterSet, NodeFilterSet
+from scheduler.models import Accelerator, CalibrationRecord, ModelDirectory, Node
+from scheduler.presenting import estimate_payload
+from tenancy import audit
+
+
+class IsStaff(permissions.BasePermission):
+    """Fleet changes are for staff until tenancy's permissions cover the fleet."""
+
+    message = "Only staff may change the fleet."
+
+    def has_permission(self, request, view):
+        return bool(request.user and request.user.is_authenticated and request.user.is_staff)
+
+
+def _accelerators():
+    return Accelerator.objects.select_related("node", "parent").prefetch_related("reservations")
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
-    """The fleet's nodes, looked up by their public id."""
+    """The fleet's nodes, looked up by their public id; cordon, uncordon and drain are actions."""
 
-    queryset = Node.objects.prefetch_related("engines")
+    queryset = Node.objects.prefetch_related(
+        "engines", Prefetch("accelerators", queryset=_accelerators()),
+        Prefetch("model_directories", queryset=ModelDirectory.objects.prefetch_related("weights")))
     serializer_class = NodeSerializer
     lookup_field = "public_id"
     lookup_value_converter = "uuid"
     filter_backends = [DjangoFilterBackend]
     filterset_class = NodeFilterSet
+
+    def _act(self, request, verb):
+        node = self.get_object()
+        body = NodeActionSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        node = getattr(services, verb)(node, audit.Actor.from_request(request), reason=body.validated_data["reason"])
+        return Response(NodeSerializer(self.get_queryset().get(pk=node.pk)).data)
+
+    @action(detail=True, methods=["post"], permission_classes=[IsStaff])
+    def cordon(self, request, public_id=None):
+        return self._act(request, "cordon")
+
+    @action(detail=True, methods=["post"], permission_classes=[IsStaff])
+    def uncordon(self, request, public_id=None):
+        return self._act(request, "uncordon")
+
+    @action(detail=True, methods=["post"], permission_classes=[IsStaff])
+    def drain(self, request, public_id=None):
+        return self._act(request, "drain")
+
+
+class AcceleratorViewSet(viewsets.ReadOnlyModelViewSet):
+    """GPUs and MIG instances with class, memory, reservations, telemetry and placeability."""
+
+    queryset = _accelerators()
+    serializer_class = AcceleratorSerializer
+    lookup_field = "public_id"
+    lookup_value_converter = "uuid"
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = AcceleratorFilterSet
+
+
+class EstimateView(APIView):
+    """POST a model path, engine and configuration (and optionally a node or accelerator):
+    the estimate with its breakdown, and the fit with plans."""
+
+    def post(self, request):
+        body = EstimateRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        node = get_object_or_404(Node, public_id=data["node"]) if data.get("node") else None
+        accelerator = (get_object_or_404(Accelerator.objects.select_related("node"), public_id=data["accelerator"])
+                       if data.get("accelerator") else None)
+        result = memory.estimate_and_fit(data["model_path"], data["engine"], data.get("config"),
+                                         engine_version=data.get("engine_version"), node=node, accelerator=accelerator)
+        return Response(estimate_payload(result))
+
+
+class CalibrationRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
+                               viewsets.GenericViewSet):
+    """What loads really used against their estimates. Deleting a record (or ``reset`` with the
+    list's filters) makes later estimates go back to the formulas."""
+
+    queryset = CalibrationRecord.objects.all()
+    serializer_class = CalibrationRecordSerializer
+    lookup_field = "public_id"
+    lookup_value_converter = "uuid"
+    filter_backends = [DjangoFilterBackend]
+    filterset_class = CalibrationRecordFilterSet
+
+    def get_permissions(self):
+        if self.action in ("destroy", "reset"):
+            return [IsStaff()]
+        return super().get_permissions()
+
+    def destroy(self, request, *args, **kwargs):
+        record = self.get_object()
+        memory.reset_calibration(CalibrationRecord.objects.filter(pk=record.pk), audit.Actor.from_request(request))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @action(detail=False, methods=["post"])
+    def reset(self, request):
+        records = self.filter_queryset(self.get_queryset())
+        count = memory.reset_calibration(records, audit.Actor.from_request(request))
+        return Response({"deleted": count})

@@ -1,3 +1,8 @@
-"""Management API routes of the serving app (mounted under /api/serving/ once it has any)."""
+from rest_framework.routers import SimpleRouter
 
-urlpatterns: list = []
+from serving.api import views
+
+app_name = "serving-api"
+router = SimpleRouter()
+router.register("deployments", views.DeploymentViewSet, basename="deployment")
+urlpatterns = router.urls

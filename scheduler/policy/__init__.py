@@ -1,0 +1,1 @@
+"""The scheduler's pure decisions: dataclasses in, dataclasses out, no database."""

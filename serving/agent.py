@@ -1,0 +1,303 @@
+"""The node agent: everything that touches engines on one machine.
+
+``manage.py agent --node NAME`` runs a Celery worker on the queue ``node.NAME``; the tasks in
+``serving.tasks`` land here. A heartbeat thread in the same worker re-registers the node every
+few seconds (telemetry, engines), checks that engines which should run still do, times out
+queued starts and admits the next one in line. Engines run in their own sessions (or containers)
+and outlive the agent; when it comes back it adopts them from the replica rows' handles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import httpx
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from berth.errors import BerthError
+from scheduler import memory
+from scheduler.estimation.reading import read_model
+from scheduler.models import Accelerator, Node
+from scheduler.policy.calibration import ExitClassification
+from serving.deployments import gate, states
+from serving.deployments.service import engine_for, estimation_config, holder_of, release
+from serving.engines.base import LaunchSpec
+from serving.keys import replica_key
+from serving.models import DeploymentState as S, Replica
+from serving.runtimes.base import Exit, Handle
+
+log = logging.getLogger(__name__)
+POLL_SECONDS = 0.25
+_runtimes: dict = {}
+
+
+def node_name() -> str | None:
+    return os.environ.get("BERTH_AGENT_NODE")
+
+
+def runtime_for(kind: str):
+    """One runtime object per kind for the agent's life: a process runtime remembers the engines it
+    started (their exit statuses reach only their parent)."""
+    if kind not in _runtimes:
+        from serving.runtimes.registry import runtime_for as make
+
+        _runtimes[kind] = make(kind)
+    return _runtimes[kind]
+
+
+def launch_spec(replica: Replica) -> LaunchSpec:
+    deployment = replica.deployment
+    node = replica.node
+    accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
+    limit = deployment.memory_reserved_bytes
+    return LaunchSpec(
+        replica_id=str(replica.public_id), engine=deployment.engine, model_path=deployment.model_path,
+        served_name=deployment.name, host="127.0.0.1" if node.address in ("127.0.0.1", "localhost") else node.address,
+        port=replica.port, api_key=replica_key(replica.public_id), config=deployment.config, cores=deployment.cores,
+        # The container limit leaves a quarter above the estimate: the estimate is what we plan
+        # with, the limit is the line past which the kernel stops a runaway engine.
+        memory_limit_bytes=int(limit * 1.25) if limit else None, gpu_uuids=tuple(deployment.gpu_uuids),
+        gpu_memory_total_bytes=accelerator.memory_total_bytes if accelerator else None, reservation_bytes=limit,
+        labels={"berth.managed": "true", "berth.deployment": str(deployment.public_id),
+                "berth.replica": str(replica.public_id), "berth.model": deployment.name})
+
+
+def _handle(replica: Replica) -> Handle | None:
+    return Handle(**replica.handle) if replica.handle else None
+
+
+def start_replica(replica_id: str) -> None:
+    replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
+    if replica is None or not gate.claim(replica):
+        return
+    try:
+        _start(replica)
+    finally:
+        admit_next(replica.node_id)
+
+
+def _start(replica: Replica) -> None:
+    deployment, node = replica.deployment, replica.node
+    accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
+    try:  # at its turn, the fit is checked again against what the node has now
+        memory.reserve_memory(node, holder_of(replica), replica.memory_reserved_bytes, accelerator=accelerator,
+                              description=f"{deployment.name} ({deployment.engine})")
+    except BerthError as error:
+        fail(replica, f"no longer fits at its turn: {error.message}")
+        return
+    runtime = runtime_for(deployment.runtime)
+    try:
+        engine = engine_for(deployment.engine)
+        spec = launch_spec(replica)
+        handle = runtime.start(spec, engine.command(spec))
+    except BerthError as error:
+        fail(replica, f"could not start: {error.message}")
+        return
+    except Exception as error:  # the runtime's own failure (docker daemon gone, exec error)
+        log.exception("starting %s failed", replica)
+        fail(replica, f"could not start: {error}")
+        return
+    if not states.move(replica, S.LOADING, f"{runtime.kind} runtime started the engine", handle=dataclasses.asdict(handle)):
+        runtime.stop(handle, grace_seconds=5)  # stopped while starting: do not leave it running
+        return
+    watch_startup(replica)
+
+
+def watch_startup(replica: Replica) -> None:
+    """Loading → ready once /health answers 200 and one real request succeeds; failed when the
+    engine exits, memory runs short, or the start-up timeout passes."""
+    deployment = replica.deployment
+    runtime, handle = runtime_for(deployment.runtime), _handle(replica)
+    engine = engine_for(deployment.engine)
+    spec = launch_spec(replica)
+    base = f"http://{spec.host}:{spec.port}"
+    headers = {"Authorization": f"Bearer {spec.api_key}"}
+    deadline = time.monotonic() + settings.SERVING_STARTUP_TIMEOUT_SECONDS
+    margin = settings.SCHEDULER_SAFETY_MARGIN_UNIFIED_GIB * 2**30
+    with httpx.Client(timeout=10) as http:
+        while True:
+            replica.refresh_from_db(fields=["state"])
+            if replica.state != S.LOADING:
+                return  # stopped (or failed) by someone else meanwhile
+            status = runtime.status(handle)
+            if not status.running:
+                fail(replica, f"engine {status.exit.describe() if status.exit else 'vanished'} while loading",
+                     handle=handle, exit=status.exit)
+                return
+            available = _mem_available()
+            if deployment.node.address in ("127.0.0.1", "localhost") and available is not None and margin \
+                    and available < margin and not deployment.gpu_uuids:
+                fail(replica, f"available memory fell to {available / 2**30:.1f} GiB, below the safety margin, "
+                              "during start-up", handle=handle)
+                return
+            if _ready(http, base, headers, engine, spec, deployment.task):
+                peak = runtime.status(handle).peak_memory_bytes
+                states.move(replica, S.READY, "health answered and a real request succeeded", peak_memory_bytes=peak)
+                _calibrate(replica, peak)
+                return
+            if time.monotonic() > deadline:
+                fail(replica, f"not ready within {settings.SERVING_STARTUP_TIMEOUT_SECONDS}s", handle=handle)
+                return
+            time.sleep(POLL_SECONDS)
+
+
+def _ready(http, base, headers, engine, spec, task) -> bool:
+    try:
+        if http.get(base + engine.health_path(), headers=headers, timeout=2).status_code != 200:
+            return False
+        probe = engine.probe(spec, task)
+        return http.post(base + probe.path, json=probe.body, headers=headers).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _mem_available() -> int | None:
+    from serving.discovery import meminfo
+
+    return meminfo().get("MemAvailable")
+
+
+def fail(replica: Replica, message: str, *, handle: Handle | None = None, exit: Exit | None = None) -> None:
+    """Remove a failed engine, keep its log tail, give back what it held, learn from an OOM."""
+    handle = handle or _handle(replica)
+    tail = ""
+    if handle is not None:
+        runtime = runtime_for(handle.runtime)
+        try:
+            tail = runtime.logs(handle, lines=200)
+            stopped = runtime.stop(handle, grace_seconds=10)
+            exit = exit or stopped
+        except Exception as error:  # keep failing the record even if the runtime misbehaves
+            log.warning("cleaning up %s: %s", replica, error)
+    if states.move(replica, S.FAILED, message, log_tail=tail, exit_reason=message[:300]):
+        release(replica)
+        if exit is not None and exit.out_of_memory:
+            _record_oom(replica, exit)
+
+
+def _calibrate(replica: Replica, peak: int | None) -> None:
+    """Teach the estimator what this load really used (CPU: peak resident memory)."""
+    deployment = replica.deployment
+    if not peak or deployment.gpu_uuids:
+        return
+    try:
+        shape = read_model(deployment.model_path)
+        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config))
+        memory.record_load(shape, deployment.engine, _engine_version(replica), config, "cpu",
+                           estimated_bytes=deployment.memory_reserved_bytes or peak, measured_bytes=peak,
+                           node=replica.node)
+    except BerthError as error:
+        log.warning("no calibration record for %s: %s", replica, error.message)
+
+
+def _engine_version(replica: Replica) -> str:
+    """The node's engine version: calibration records are keyed by it, so loads and failures meet."""
+    engine = replica.node.engines.filter(kind=replica.deployment.engine).first()
+    return engine.version if engine else ""
+
+
+def _record_oom(replica: Replica, exit: Exit) -> None:
+    deployment = replica.deployment
+    try:
+        shape = read_model(deployment.model_path)
+        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config))
+        source = "docker" if "docker" in (exit.oom_evidence or "").lower() else "kernel"
+        memory.record_failure(shape, deployment.engine, _engine_version(replica), config,
+                              "gpu" if deployment.gpu_uuids else "cpu",
+                              estimated_bytes=deployment.memory_reserved_bytes or 1,
+                              classification=ExitClassification("oom", exit.oom_evidence or "", source),
+                              node=replica.node)
+    except BerthError as error:
+        log.warning("no OOM record for %s: %s", replica, error.message)
+
+
+def stop_replica(replica_id: str) -> None:
+    replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
+    if replica is None:
+        return
+    if replica.state in (S.PLANNED, S.QUEUED):
+        if states.move(replica, S.STOPPED, "cancelled before it started"):
+            release(replica)
+        return
+    if replica.state in (S.STARTING, S.LOADING, S.READY, S.SLEEPING, S.UNKNOWN):
+        states.move(replica, S.STOPPING, "stopping")
+    if replica.state != S.STOPPING:
+        return
+    handle = _handle(replica)
+    exit = runtime_for(handle.runtime).stop(handle) if handle else None
+    if states.move(replica, S.STOPPED, "stopped" + (f" ({exit.describe()})" if exit else "")):
+        release(replica)
+    admit_next(replica.node_id)
+
+
+def admit_next(node_id: int) -> None:
+    """Give a free start-up slot to the next queued replica of the node."""
+    from serving.deployments.service import dispatch
+
+    busy = Replica.objects.filter(node_id=node_id, state__in=gate.BUSY).count()
+    if busy >= settings.SERVING_STARTUP_SLOTS:
+        return
+    waiting = gate.next_in_line(node_id)
+    if waiting is not None:
+        dispatch("start", waiting)
+
+
+def check_liveness(node: Node) -> None:
+    """A replica that should be running whose engine exited or vanished moves to failed; a queued
+    start that waited too long fails; a lost dispatch (agent restart) is sent again."""
+    for replica in Replica.objects.select_related("deployment", "node").filter(
+            node=node, state__in=(S.READY, S.SLEEPING, S.UNKNOWN)):
+        handle = _handle(replica)
+        if handle is None:
+            continue
+        status = runtime_for(handle.runtime).status(handle)
+        if not status.running:
+            fail(replica, f"engine {status.exit.describe() if status.exit else 'vanished'}", handle=handle,
+                 exit=status.exit)
+    cutoff = timezone.now() - timezone.timedelta(seconds=settings.SERVING_QUEUE_TIMEOUT_SECONDS)
+    for replica in Replica.objects.select_related("deployment", "node").filter(node=node, state=S.QUEUED,
+                                                                                queued_at__lt=cutoff):
+        fail(replica, f"waited more than {settings.SERVING_QUEUE_TIMEOUT_SECONDS // 60} min for a start-up slot")
+    admit_next(node.pk)
+
+
+def adopt(node: Node) -> None:
+    """After an agent restart: loading engines whose process still runs are watched again; starts
+    interrupted before an engine existed are failed (their reservation is given back)."""
+    from serving import tasks
+
+    for replica in Replica.objects.select_related("deployment", "node").filter(node=node, state__in=(S.STARTING,
+                                                                                                     S.LOADING)):
+        handle = _handle(replica)
+        if handle is not None and runtime_for(handle.runtime).status(handle).running:
+            tasks.watch_replica.apply_async(args=[str(replica.public_id)], queue=f"node.{node.name}")
+        else:
+            fail(replica, "the agent restarted before the engine was up")
+
+
+def start_up() -> None:
+    """Before the agent takes its first task: register the node and adopt what an earlier agent
+    left (so a start it is about to receive is never mistaken for an interrupted one)."""
+    from serving.services import register_local_node
+
+    adopt(register_local_node())
+    close_old_connections()
+
+
+def heartbeat_forever(stop: threading.Event) -> None:
+    from serving.services import register_local_node
+
+    while not stop.is_set():
+        try:
+            close_old_connections()
+            node = register_local_node()
+            check_liveness(node)
+        except Exception:  # a failed beat is logged and retried; it must not end the thread
+            log.exception("agent heartbeat failed")
+        stop.wait(settings.SERVING_HEARTBEAT_SECONDS)

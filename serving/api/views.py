@@ -1,0 +1,112 @@
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from berth.errors import InvalidInput
+from scheduler.models import Accelerator, Node
+from serving.api.serializers import DeployInputSerializer, DeploymentEventSerializer, DeploymentSerializer
+from serving.deployments import service
+from serving.models import Deployment
+from tenancy import access
+from tenancy.audit import Actor
+from tenancy.services.tree import resolve_scope
+
+
+def visible_deployments(caller):
+    """Deployments whose owner scope the caller may see; ownerless ones are for administrators."""
+    queryset = Deployment.objects.select_related("node", "owner").prefetch_related("replica_set__node")
+    if access.is_superuser(caller):
+        return queryset
+    return access.visible_to(caller, queryset.filter(owner__isnull=False), "owner")
+
+
+def deploy_request(request, data) -> service.DeployRequest:
+    node = Node.objects.filter(name=data["node"]).first() or _by_id(Node, data["node"])
+    if node is None:
+        raise InvalidInput(f"No node {data['node']!r}.", details={"node": "unknown"})
+    accelerator = None
+    if data.get("accelerator"):
+        accelerator = Accelerator.objects.filter(uuid=data["accelerator"], node=node).first()
+        if accelerator is None:
+            raise InvalidInput("No such accelerator on that node.", details={"accelerator": "unknown"})
+    owner = None
+    if data.get("owner"):
+        owner = resolve_scope(data["owner"], access.visible_to(request.user, _scopes(), ""))
+    return service.DeployRequest(name=data["name"], model_path=data["model_path"], node=node, engine=data["engine"],
+                                 runtime=data["runtime"], task=data["task"], config=data.get("config") or {},
+                                 accelerator=accelerator, owner=owner, priority=data["priority"],
+                                 cores=data.get("cores"))
+
+
+def _scopes():
+    from tenancy.models import Scope
+
+    return Scope.objects.all()
+
+
+def _by_id(model, value):
+    import uuid
+
+    try:
+        return model.objects.filter(public_id=uuid.UUID(str(value))).first()
+    except ValueError:
+        return None
+
+
+class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Deployments: deploy, preview, start, stop, remove, and their events."""
+
+    serializer_class = DeploymentSerializer
+    lookup_field = "public_id"
+    lookup_value_converter = "uuid"
+
+    def get_queryset(self):
+        return visible_deployments(self.request.user)
+
+    @extend_schema(request=DeployInputSerializer, responses={201: DeploymentSerializer})
+    def create(self, request):
+        data = _valid(DeployInputSerializer, request.data)
+        deployment = service.deploy(Actor.from_request(request), deploy_request(request, data))
+        return Response(DeploymentSerializer(deployment).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=DeployInputSerializer, responses={200: dict})
+    @action(detail=False, methods=["post"])
+    def preview(self, request):
+        """Will it fit, and what is it made of. Changes nothing."""
+        data = _valid(DeployInputSerializer, request.data)
+        result = service.preview(deploy_request(request, data))
+        return Response(preview_body(result))
+
+    @extend_schema(request=None, responses={200: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def stop(self, request, public_id=None):
+        deployment = service.stop(Actor.from_request(request), self.get_object())
+        return Response(DeploymentSerializer(deployment).data)
+
+    @extend_schema(request=None, responses={200: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def start(self, request, public_id=None):
+        deployment = service.start(Actor.from_request(request), self.get_object())
+        return Response(DeploymentSerializer(deployment).data)
+
+    @extend_schema(responses={200: DeploymentEventSerializer(many=True)})
+    @action(detail=True, methods=["get"])
+    def events(self, request, public_id=None):
+        events = self.get_object().events.select_related("replica")
+        return Response(DeploymentEventSerializer(events, many=True).data)
+
+    def destroy(self, request, public_id=None):
+        service.remove(Actor.from_request(request), self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+def preview_body(result) -> dict:
+    return {"estimate": result.estimate.as_dict(), "device": result.device,
+            "fit": result.fit.as_dict() if result.fit else None, "notes": list(result.notes)}
+
+
+def _valid(serializer_class, data) -> dict:
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data

@@ -1,0 +1,195 @@
+"""Deployments end to end: a real agent (a Celery worker on the node's queue) starts real
+llama-server engines; the gate, readiness, failure and stop paths are observed in the rows."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db import connection
+
+import dataclasses
+
+from scheduler.services import register_node
+from serving.discovery import local_node_report
+from serving.deployments import service
+from serving.keys import replica_key
+from serving.models import Deployment, DeploymentEvent, Replica
+from tenancy.audit import Actor
+from tests.assets.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE = "agent-test-node"
+ADMIN = Actor(system="tests")
+
+pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def model_root(tmp_path, settings):
+    root = tmp_path / "models"
+    root.mkdir()
+    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
+    settings.SERVING_MODEL_ROOTS = [root.resolve()]
+    return root
+
+
+@pytest.fixture
+def node(db):
+    # This machine, under the name the agent will use; its heartbeats keep the figures fresh.
+    return register_node(dataclasses.replace(local_node_report(), name=NODE))
+
+
+class Agent:
+    def __init__(self, tmp_path: Path, model_root: Path, slots: int = 1, log_name: str = "agent.log"):
+        db = connection.settings_dict
+        self.log_path = tmp_path / log_name
+        environment = dict(os.environ, DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+                           BERTH_MODEL_ROOTS=str(model_root), BERTH_ENGINE_DIR=str(tmp_path / "engines"),
+                           BERTH_STARTUP_SLOTS=str(slots), BERTH_HEARTBEAT_SECONDS="1",
+                           BERTH_STARTUP_TIMEOUT_SECONDS="120")
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen([sys.executable, "manage.py", "agent", "--node", NODE, "--concurrency", "4"],
+                                        cwd=ROOT, env=environment, stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        wait_until(lambda: "ready." in self.log_path.read_text() or self._died(), 90, what="the agent worker ready")
+
+    def _died(self):
+        if self.process.poll() is not None:
+            raise RuntimeError(f"agent exited: {self.log_path.read_text()[-3000:]}")
+        return False
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def agent(tmp_path, model_root, node):
+    running = Agent(tmp_path, model_root)
+    yield running
+    # Stop what the test left running, through the same path a person would use.
+    for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
+        service.stop(ADMIN, deployment)
+    try:
+        wait_until(lambda: not Replica.objects.exclude(state__in=("stopped", "failed")).exists(), 60,
+                   what="every replica stopped")
+    finally:
+        running.stop()
+
+
+def state_of(deployment: Deployment) -> str:
+    deployment.refresh_from_db()
+    return deployment.state
+
+
+def deploy(name: str, model: Path, **config) -> Deployment:
+    request = service.DeployRequest(name=name, model_path=str(model), node=_node(), config={"context": 256, **config})
+    return service.deploy(ADMIN, request)
+
+
+def _node():
+    from scheduler.models import Node
+
+    return Node.objects.get(name=NODE)
+
+
+def test_deploy_becomes_ready_and_serves_a_real_completion(agent, model_root, tiny_model):
+    model = Path(shutil.copy(tiny_model, model_root / "tiny.gguf"))
+    deployment = deploy("tiny", model)
+    wait_until(lambda: state_of(deployment) in ("ready", "failed"), 120, what="the deployment settled")
+    assert deployment.state == "ready", list(deployment.events.values_list("message", "log_tail"))
+    replica = deployment.replica_set.get()
+    assert replica.peak_memory_bytes and replica.peak_memory_bytes > 0
+    response = httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {replica_key(replica.public_id)}"},
+                          json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    refused = httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions", timeout=10, json={"prompt": "hello"})
+    assert refused.status_code == 401  # only the gateway holds the replica's key
+    transitions = list(deployment.events.values_list("to_state", flat=True))
+    assert transitions == ["starting", "loading", "ready"]
+
+
+def test_corrupt_model_fails_and_keeps_the_log_tail(agent, model_root, tiny_model):
+    model = model_root / "corrupt.gguf"
+    data = tiny_model.read_bytes()
+    model.write_bytes(data[: len(data) // 3])  # a real header, truncated tensors
+    deployment = deploy("corrupt", model)
+    wait_until(lambda: state_of(deployment) in ("ready", "failed"), 120, what="the deployment settled")
+    assert deployment.state == "failed"
+    failure = deployment.events.get(to_state="failed")
+    assert "while loading" in failure.message or "could not start" in failure.message
+    assert failure.log_tail.strip()  # what llama-server said about the file
+    from scheduler.models import MemoryReservation
+
+    assert not MemoryReservation.objects.exists()  # what it held was given back
+
+
+def test_sigkill_is_reported_as_sigkill_not_oom(agent, model_root, tiny_model):
+    model = Path(shutil.copy(tiny_model, model_root / "tiny.gguf"))
+    deployment = deploy("victim", model)
+    wait_until(lambda: state_of(deployment) in ("ready", "failed"), 120, what="the deployment ready")
+    replica = deployment.replica_set.get()
+    os.kill(replica.handle["pid"], signal.SIGKILL)
+    wait_until(lambda: state_of(deployment) == "failed", 30, what="the liveness check noticed")
+    failure = deployment.events.get(to_state="failed")
+    assert "SIGKILL" in failure.message and "memory" not in failure.message
+
+
+def test_second_deploy_waits_for_the_start_up_gate(agent, model_root, gguf_model):
+    first = deploy("first", Path(shutil.copy(gguf_model("a.gguf", layers=2), model_root / "a.gguf")))
+    second = deploy("second", Path(shutil.copy(gguf_model("b.gguf", layers=3), model_root / "b.gguf")))
+    wait_until(lambda: state_of(first) == "ready" and state_of(second) == "ready", 180, what="both ready")
+    events = list(DeploymentEvent.objects.order_by("at", "id").values_list("deployment__name", "to_state"))
+    # With one slot, one of them waited as queued until the other was ready.
+    queued = [name for name, state in events if state == "queued"]
+    assert len(queued) == 1
+    other = "first" if queued[0] == "second" else "second"
+    assert events.index((other, "ready")) < events.index((queued[0], "starting"))
+
+
+def test_stop_stops_the_engine_and_releases_its_memory(agent, model_root, tiny_model):
+    model = Path(shutil.copy(tiny_model, model_root / "tiny.gguf"))
+    deployment = deploy("tiny", model)
+    wait_until(lambda: state_of(deployment) == "ready", 120, what="ready")
+    pid = deployment.replica_set.get().handle["pid"]
+    service.stop(ADMIN, deployment)
+    wait_until(lambda: state_of(deployment) == "stopped", 60, what="stopped")
+    from scheduler.models import MemoryReservation
+
+    assert not MemoryReservation.objects.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    service.remove(ADMIN, deployment)
+    assert not Deployment.objects.filter(pk=deployment.pk).exists()
+
+
+def test_agent_restart_adopts_the_running_engine(tmp_path, model_root, node, tiny_model):
+    first = Agent(tmp_path, model_root)
+    try:
+        model = Path(shutil.copy(tiny_model, model_root / "tiny.gguf"))
+        deployment = deploy("tiny", model)
+        wait_until(lambda: state_of(deployment) == "ready", 120, what="ready")
+    finally:
+        first.stop()
+    replica = deployment.replica_set.get()
+    os.kill(replica.handle["pid"], 0)  # the engine outlived its agent
+    second = Agent(tmp_path, model_root, log_name="agent-after-restart.log")
+    try:
+        service.stop(ADMIN, deployment)
+        wait_until(lambda: state_of(deployment) == "stopped", 60, what="the new agent stopped the adopted engine")
+    finally:
+        second.stop()
