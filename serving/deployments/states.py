@@ -81,7 +81,11 @@ def summarise(deployment: Deployment, detail: str = "") -> None:
 
 
 def publish(replica: Replica, origin: str, to: str, message: str) -> None:
-    """A live event for the console (server-sent events); best effort, after the commit."""
+    """A live event for the console, and a nudge to every gateway to reload its routing table;
+    both best effort, after the commit (the routing table's short TTL covers a lost message)."""
+    from serving.routing import publish_changed
+
+    transaction.on_commit(publish_changed)
     if not settings.REDIS_URL:
         return
     payload = json.dumps({"deployment": str(replica.deployment.public_id), "replica": str(replica.public_id),

@@ -193,3 +193,26 @@ def test_agent_restart_adopts_the_running_engine(tmp_path, model_root, node, tin
         wait_until(lambda: state_of(deployment) == "stopped", 60, what="the new agent stopped the adopted engine")
     finally:
         second.stop()
+
+
+@pytest.mark.docker
+def test_docker_runtime_deploys_a_ready_container(agent, model_root, tiny_model):
+    import docker
+
+    model = Path(shutil.copy(tiny_model, model_root / "tiny.gguf"))
+    request = service.DeployRequest(name="boxed", model_path=str(model), node=_node(), runtime="docker",
+                                    config={"context": 256})
+    deployment = service.deploy(ADMIN, request)
+    wait_until(lambda: state_of(deployment) in ("ready", "failed"), 180, what="the container settled")
+    assert deployment.state == "ready", list(deployment.events.values_list("message", "log_tail"))
+    replica = deployment.replica_set.get()
+    container = docker.from_env().containers.get(replica.handle["container_id"])
+    assert container.labels["berth.replica"] == str(replica.public_id)
+    assert container.attrs["HostConfig"]["NetworkMode"] == "host"
+    response = httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {replica_key(replica.public_id)}"},
+                          json={"prompt": "hello", "max_tokens": 2, "ignore_eos": True})
+    assert response.status_code == 200
+    service.stop(ADMIN, deployment)
+    wait_until(lambda: state_of(deployment) == "stopped", 60, what="the container stopped")
+    assert not docker.from_env().containers.list(all=True, filters={"label": f"berth.replica={replica.public_id}"})
