@@ -17,7 +17,7 @@ up: $(VENV)/.installed
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py engines build llamacpp
 	$(PY) manage.py bootstrap
-	$(PY) manage.py demo
+	$(PY) manage.py demo --url http://$(HOST):$(PORT)
 	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed-test
