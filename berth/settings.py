@@ -191,6 +191,7 @@ else:
         "data_folder_out": str(BROKER_DIR / "queue"),
         "processed_folder": str(BROKER_DIR / "processed"),
         "control_folder": str(BROKER_DIR / "control"),
+        "polling_interval": 0.1,  # the agent notices a start within 100 ms, not the default second
         "store_processed": False,
     }
 CELERY_TASK_IGNORE_RESULT = True
@@ -285,3 +286,15 @@ SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {}).update({
     "AcceleratorKindEnum": "scheduler.models.Accelerator.Kind",
     "EngineKindEnum": "scheduler.models.NodeEngine.Kind",
 })
+
+# Serving: catalog and mirror
+# The hub the mirror fetches from (HF_ENDPOINT, as huggingface_hub reads it) and an optional token (HF_TOKEN).
+SERVING_HUB_ENDPOINT = env.string("HF_ENDPOINT", "https://huggingface.co")
+SERVING_HUB_TOKEN = env.string("HF_TOKEN", "")
+SERVING_HUB_TIMEOUT = env.integer("BERTH_HUB_TIMEOUT_SECONDS", 10, minimum=1, maximum=600)
+# Weights shipped only as pickle files can run code when loaded: refused unless this is on and an administrator asks.
+SERVING_MIRROR_ALLOW_PICKLE = env.boolean("BERTH_MIRROR_ALLOW_PICKLE", False)
+# Space a fetch leaves free on the mirror's disk.
+SERVING_MIRROR_DISK_MARGIN_BYTES = env.integer("BERTH_MIRROR_DISK_MARGIN_BYTES", 1 << 30, minimum=0)
+# The worker imports the mirror's tasks (fetch and serve jobs run on the control queue).
+CELERY_IMPORTS = [*globals().get("CELERY_IMPORTS", []), "serving.catalog.tasks"]
