@@ -18,3 +18,15 @@ def navigation(request):
             for key, label, name in AREAS
         ]
     }
+
+
+def memory_banner(request):
+    """Nodes whose memory the watchdog rates warning or critical, for the banner on every page."""
+    if not getattr(request, "user", None) or not request.user.is_authenticated:
+        return {}
+    from scheduler.models import Node
+    from serving.watchdog import levels
+
+    alerts = [(name, level) for name, level in levels(Node.objects.only("pk", "name")).items()
+              if level in ("warning", "critical")]
+    return {"memory_alerts": alerts}

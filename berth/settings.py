@@ -108,6 +108,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "berth.context_processors.navigation",
+                "berth.context_processors.memory_banner",
             ],
         },
     },
@@ -240,6 +241,8 @@ SERVING_STARTUP_SLOTS = env.integer("BERTH_STARTUP_SLOTS", 1, minimum=1, maximum
 SERVING_QUEUE_TIMEOUT_SECONDS = env.integer("BERTH_QUEUE_TIMEOUT_SECONDS", 1800, minimum=1)
 SERVING_STARTUP_TIMEOUT_SECONDS = env.integer("BERTH_STARTUP_TIMEOUT_SECONDS", 900, minimum=5)
 SERVING_HEARTBEAT_SECONDS = env.integer("BERTH_HEARTBEAT_SECONDS", 5, minimum=1, maximum=300)
+# At critical memory, stop the least important deployment rather than let the kernel's OOM killer choose.
+SERVING_AUTO_PROTECT = env.boolean("BERTH_AUTO_PROTECT", True)
 _ports = env.string("BERTH_ENGINE_PORTS", "20000-29999")
 try:
     SERVING_PORT_RANGE = tuple(int(p) for p in _ports.split("-", 1))

@@ -25,6 +25,7 @@ from scheduler import memory
 from scheduler.estimation.reading import read_model
 from scheduler.models import Accelerator, Node
 from scheduler.policy.calibration import ExitClassification
+from serving import watchdog
 from serving.deployments import gate, states
 from serving.deployments.service import engine_for, estimation_config, holder_of, release
 from serving.engines.base import LaunchSpec
@@ -298,6 +299,7 @@ def heartbeat_forever(stop: threading.Event) -> None:
             close_old_connections()
             node = register_local_node()
             check_liveness(node)
+            watchdog.check(node)
         except Exception:  # a failed beat is logged and retried; it must not end the thread
             log.exception("agent heartbeat failed")
         stop.wait(settings.SERVING_HEARTBEAT_SECONDS)
