@@ -201,6 +201,12 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# Periodic work, one named table (beat copies it into the database at start; the admin can pause entries).
+CELERY_BEAT_SCHEDULE = {
+    "scheduler: mark nodes without heartbeats lost": {"task": "scheduler.mark_lost_nodes", "schedule": 30.0},
+    "serving: fail replicas of lost nodes": {"task": "serving.reconcile", "schedule": 15.0},
+    "gateway: write usage parked while the database refused it": {"task": "gateway.retry_usage", "schedule": 60.0},
+}
 CELERY_TIMEZONE = TIME_ZONE
 
 # Where engines are built and cached: outside the work tree, shared by every checkout.

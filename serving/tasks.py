@@ -30,6 +30,15 @@ def watch_replica(replica_id: str) -> None:
         agent.admit_next(replica.node_id)
 
 
+@shared_task(name="serving.reconcile")
+def reconcile() -> int:
+    """The control side of reconciliation: replicas on a lost node are failed and what they held is
+    given back (their agent cannot report, and cannot be asked to stop them)."""
+    from serving.deployments.reconcile import fail_replicas_of_lost_nodes
+
+    return fail_replicas_of_lost_nodes()
+
+
 @worker_init.connect
 def _adopt(**_):
     if agent.node_name():

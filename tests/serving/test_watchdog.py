@@ -70,3 +70,20 @@ def test_the_banner_shows_a_node_in_trouble(client, node, admin_user):
     cache.set(f"berth:watchdog:level:{node.pk}", "critical", None)
     client.force_login(admin_user)
     assert "Memory on tight is critical." in client.get("/").content.decode()
+
+
+def test_replicas_of_a_lost_node_fail_and_release_what_they_held(node):
+    from scheduler.models import MemoryReservation, Node
+    from serving.deployments.service import holder_of
+    from serving.models import Replica
+    from serving.tasks import reconcile
+
+    made = deployment(node, "stranded", 50, GIB)
+    replica = Replica.objects.create(deployment=made, node=node, port=20001, state="ready")
+    MemoryReservation.objects.create(node=node, holder=holder_of(replica), bytes=GIB)
+    assert reconcile() == 0
+    Node.objects.filter(pk=node.pk).update(state=Node.State.LOST)
+    assert reconcile() == 1
+    replica.refresh_from_db()
+    assert replica.state == "failed" and "is lost" in replica.events.get().message
+    assert not MemoryReservation.objects.exists()
