@@ -3,18 +3,14 @@ llama-server engines; the gate, readiness, failure and stop paths are observed i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from django.db import connection
-
-import dataclasses
 
 from scheduler.services import register_node
 from serving.discovery import local_node_report
@@ -22,10 +18,9 @@ from serving.deployments import service
 from serving.keys import replica_key
 from serving.models import Deployment, DeploymentEvent, Replica
 from tenancy.audit import Actor
+from tests.assets.agent import NODE, Agent
 from tests.assets.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
-NODE = "agent-test-node"
 ADMIN = Actor(system="tests")
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
@@ -44,36 +39,6 @@ def model_root(tmp_path, settings):
 def node(db):
     # This machine, under the name the agent will use; its heartbeats keep the figures fresh.
     return register_node(dataclasses.replace(local_node_report(), name=NODE))
-
-
-class Agent:
-    def __init__(self, tmp_path: Path, model_root: Path, slots: int = 1, log_name: str = "agent.log"):
-        db = connection.settings_dict
-        self.log_path = tmp_path / log_name
-        environment = dict(os.environ, DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
-                           BERTH_MODEL_ROOTS=str(model_root), BERTH_ENGINE_DIR=str(tmp_path / "engines"),
-                           BERTH_STARTUP_SLOTS=str(slots), BERTH_HEARTBEAT_SECONDS="1",
-                           BERTH_STARTUP_TIMEOUT_SECONDS="120")
-        self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen([sys.executable, "manage.py", "agent", "--node", NODE, "--concurrency", "4"],
-                                        cwd=ROOT, env=environment, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        wait_until(lambda: "ready." in self.log_path.read_text() or self._died(), 90, what="the agent worker ready")
-
-    def _died(self):
-        if self.process.poll() is not None:
-            raise RuntimeError(f"agent exited: {self.log_path.read_text()[-3000:]}")
-        return False
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
 
 
 @pytest.fixture
