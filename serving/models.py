@@ -119,3 +119,4 @@ class DeploymentEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.name}: {self.from_state or '—'} → {self.to_state}"
+from serving.catalog.models import FetchJob, ModelEntry, ModelFile  # noqa: E402,F401  (the catalog's tables)

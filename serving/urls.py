@@ -1,6 +1,7 @@
 from django.urls import path
 
 from serving import views
+from serving.catalog import views as catalog_views
 
 app_name = "serving"
 urlpatterns = [
@@ -9,4 +10,9 @@ urlpatterns = [
     path("deploy/preview/", views.PreviewView.as_view(), name="preview"),
     path("deployments/<uuid:public_id>/", views.DeploymentView.as_view(), name="deployment"),
     path("deployments/<uuid:public_id>/<str:verb>/", views.DeploymentActionView.as_view(), name="deployment-action"),
+    # The mirror: Held, Explore and Fetch, and a held model's card.
+    path("held/", catalog_views.HeldView.as_view(), name="catalog-held"),
+    path("held/<uuid:public_id>/", catalog_views.ModelCardView.as_view(), name="catalog-card"),
+    path("explore/", catalog_views.ExploreView.as_view(), name="catalog-explore"),
+    path("fetch/", catalog_views.FetchView.as_view(), name="catalog-fetch"),
 ]

@@ -1,8 +1,13 @@
 from rest_framework.routers import SimpleRouter
 
 from serving.api import views
+from serving.catalog import api as catalog_api
 
 app_name = "serving-api"
 router = SimpleRouter()
 router.register("deployments", views.DeploymentViewSet, basename="deployment")
+router.register("catalog/models", catalog_api.CatalogModelViewSet, basename="catalog-model")
+router.register("catalog/files", catalog_api.ModelFileViewSet, basename="catalog-file")
+router.register("catalog/fetches", catalog_api.FetchJobViewSet, basename="catalog-fetch")
+router.register("hub", catalog_api.HubViewSet, basename="hub")
 urlpatterns = router.urls

@@ -1,0 +1,145 @@
+"""The catalog and mirror under /api/serving/: models, files, fetch jobs, and the hub (search, files)."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from serving.catalog import entries, fetch, hub, servability
+from serving.catalog.models import FetchJob, ModelEntry, ModelFile
+from serving.catalog.views import visible_jobs
+from tenancy import access
+from tenancy.audit import Actor
+from tenancy.models import Scope
+from tenancy.services.tree import resolve_scope
+
+
+class ModelFileSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node.name", default=None)
+
+    class Meta:
+        model = ModelFile
+        fields = ["public_id", "repo_path", "path", "size", "sha256", "expected_sha256", "verified", "quarantined",
+                  "quarantine_reason", "node"]
+
+
+class ModelEntrySerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.path", default=None)
+    files = ModelFileSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = ModelEntry
+        fields = ["public_id", "name", "aliases", "description", "task", "owner", "source_kind", "source_repo",
+                  "source_revision", "source_path", "source_package", "format", "quantisation", "architecture",
+                  "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks",
+                  "fingerprint", "files", "created_at", "updated_at"]
+
+
+class FetchJobSerializer(serializers.ModelSerializer):
+    percent = serializers.IntegerField(read_only=True)
+    model = serializers.CharField(source="model.name", default=None)
+
+    class Meta:
+        model = FetchJob
+        fields = ["public_id", "kind", "repo", "revision", "commit", "files", "status", "steps", "percent", "log",
+                  "result", "error", "model", "created_at", "started_at", "finished_at"]
+
+
+class FetchInputSerializer(serializers.Serializer):
+    repo = serializers.CharField()
+    revision = serializers.CharField(required=False, default="main")
+    quant = serializers.CharField(required=False, allow_blank=True, default="")
+    file = serializers.CharField(required=False, allow_blank=True, default="")
+    patterns = serializers.ListField(child=serializers.CharField(), required=False, default=list)
+    name = serializers.CharField(required=False, allow_blank=True, default="")
+    owner = serializers.CharField(required=False, allow_blank=True, default="")
+    allow_pickle = serializers.BooleanField(required=False, default=False)
+
+
+def _owner(request, written):
+    return resolve_scope(written, access.visible_to(request.user, Scope.objects.all(), "")) if written else None
+
+
+class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Models the catalog holds; their servability; removing their files; garbage collection."""
+
+    serializer_class = ModelEntrySerializer
+    lookup_field = "public_id"
+
+    def get_queryset(self):
+        return entries.visible_entries(self.request.user).prefetch_related("files__node")
+
+    @extend_schema(request=None, responses={200: dict})
+    @action(detail=True, methods=["get"])
+    def servability(self, request, public_id=None):
+        entry = self.get_object()
+        return Response(servability.check(entries.served_path(entry)).as_dict())
+
+    @extend_schema(request=None, responses={200: dict})
+    @action(detail=True, methods=["post"], url_path="remove-files")
+    def remove_files(self, request, public_id=None):
+        return Response({"removed": entries.remove_files(Actor.from_request(request), self.get_object())})
+
+    @extend_schema(request=None, responses={200: dict})
+    @action(detail=False, methods=["post"], url_path="garbage-collect")
+    def garbage_collect(self, request):
+        if not access.is_superuser(request.user):
+            from berth.errors import PermissionDenied
+
+            raise PermissionDenied("Only administrators collect the mirror's garbage.")
+        return Response(entries.garbage_collect(Actor.from_request(request)))
+
+
+class ModelFileViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    serializer_class = ModelFileSerializer
+
+    def get_queryset(self):
+        visible = entries.visible_entries(self.request.user).values("pk")
+        return ModelFile.objects.filter(model__in=visible).select_related("node")
+
+
+class FetchJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Fetches from the hub: start one (refused up front with the reason), follow it, resume it."""
+
+    serializer_class = FetchJobSerializer
+    lookup_field = "public_id"
+
+    def get_queryset(self):
+        return visible_jobs(self.request.user).select_related("model")
+
+    @extend_schema(request=FetchInputSerializer, responses={202: FetchJobSerializer})
+    def create(self, request):
+        data = FetchInputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        job = fetch.start(Actor.from_request(request), fetch.FetchRequest(
+            repo=values["repo"], revision=values["revision"], quant=values["quant"] or None,
+            file=values["file"] or None, patterns=tuple(values["patterns"]), name=values["name"] or None,
+            owner=_owner(request, values["owner"]), allow_pickle=values["allow_pickle"]))
+        return Response(FetchJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: FetchJobSerializer})
+    @action(detail=True, methods=["post"])
+    def resume(self, request, public_id=None):
+        job = fetch.resume(Actor.from_request(request), self.get_object())
+        return Response(FetchJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
+
+class HubViewSet(viewsets.ViewSet):
+    """The hub, read through the mirror: search, and one repository's files grouped by quantisation."""
+
+    @extend_schema(responses={200: dict})
+    @action(detail=False, methods=["get"])
+    def search(self, request):
+        return Response({"results": hub.search(request.query_params.get("q", ""))})
+
+    @extend_schema(responses={200: dict})
+    @action(detail=False, methods=["get"])
+    def files(self, request):
+        listing = hub.repository(request.query_params.get("repo", ""), request.query_params.get("revision") or "main")
+        return Response({"repo": listing.repo, "commit": listing.commit, "gated": listing.gated,
+                         "sets": [{"name": s.name, "quantisation": s.quantisation, "format": s.format, "size": s.size,
+                                   "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in s.files]}
+                                  for s in listing.file_sets()]})

@@ -1,0 +1,78 @@
+from django.template.defaultfilters import filesizeformat
+from django.urls import reverse
+
+from berth.tables import Column, Table
+
+
+def _size(entry):
+    total = sum(f.size or 0 for f in entry.files.all())
+    return filesizeformat(total) if total else None
+
+
+def _verified(entry):
+    files = list(entry.files.all())
+    if not files:
+        return None
+    if any(f.quarantined for f in files):
+        return "quarantined"
+    return "verified" if all(f.verified for f in files) else "unverified"
+
+
+def _replicas(entry):
+    replicas = [r for d in entry.deployments for r in d.replica_set.all()]
+    ready = sum(r.state == "ready" for r in replicas)
+    starting = sum(r.state in ("planned", "queued", "starting", "loading") for r in replicas)
+    wanted = max(entry.scaling_min, 1 if replicas else 0)
+    text = f"{ready} of {wanted} ready"
+    return f"{text}, {starting} starting" if starting else text
+
+
+def _nodes(entry):
+    return ", ".join(sorted({d.node.name for d in entry.deployments})) or None
+
+
+def _state(entry):
+    states = {d.state for d in entry.deployments}
+    if "ready" in states:
+        return "serving"
+    if states & {"planned", "queued", "starting", "loading"}:
+        return "starting"
+    return "idle" if entry.scaling_min == 0 else "unplaced"
+
+
+class HeldTable(Table):
+    columns = (
+        Column("Model", "name", link=lambda e: reverse("serving:catalog-card", args=[e.public_id])),
+        Column("Task", lambda e: e.get_task_display()),
+        Column("Format", lambda e: f"{e.get_format_display()} {e.quantisation}".strip()),
+        Column("Size", _size, numeric=True),
+        Column("Files", _verified),
+        Column("Replicas", _replicas),
+        Column("Nodes", _nodes),
+        Column("State", _state),
+        Column("Source", lambda e: e.source_repo or e.source_package or e.source_path),
+        Column("Owner", lambda e: e.owner.written if e.owner else "shared"),
+    )
+    empty_message = "The mirror holds no model yet. Fetch one from the hub, or import a local file."
+
+
+class FetchJobTable(Table):
+    columns = (
+        Column("Repository", "repo"),
+        Column("Commit", lambda j: j.commit[:8]),
+        Column("Status", lambda j: j.get_status_display()),
+        Column("Progress", lambda j: f"{j.percent}%" if j.percent is not None else None, numeric=True),
+        Column("Size", lambda j: filesizeformat(j.total_bytes) if j.total_bytes else None, numeric=True),
+        Column("Error", "error"),
+    )
+    empty_message = "No fetch yet."
+
+
+class FileTable(Table):
+    columns = (
+        Column("File", "repo_path"),
+        Column("Size", lambda f: filesizeformat(f.size) if f.size else None, numeric=True),
+        Column("SHA-256", lambda f: f.sha256[:16]),
+        Column("Verified", lambda f: "quarantined" if f.quarantined else ("yes" if f.verified else "no")),
+        Column("Node", lambda f: f.node.name if f.node else "control plane"),
+    )

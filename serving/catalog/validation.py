@@ -1,0 +1,111 @@
+"""A catalog entry checked whole: every problem listed at once; its fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from serving.catalog.errors import InvalidModelEntry
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
+REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+ENGINES = ("llamacpp", "vllm")
+TASKS = ("chat", "completion", "embedding", "rerank")
+CLASSES = ("critical", "standard", "opportunistic")
+FORMATS = ("gguf", "safetensors")
+
+
+def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
+    """Every problem with ``entry`` (the fields of ModelEntry as a dict), none when it is whole."""
+    found: list[dict[str, str]] = []
+
+    def problem(field: str, message: str) -> None:
+        found.append({"field": field, "message": message})
+
+    name = entry.get("name") or ""
+    if not NAME.match(name):
+        problem("name", "1-200 letters, digits and . _ : / - (no spaces): the name clients ask for.")
+    aliases = entry.get("aliases") or []
+    if not isinstance(aliases, list) or any(not isinstance(a, str) or not NAME.match(a) for a in aliases):
+        problem("aliases", "A list of names, each like a model name.")
+    elif name in aliases or len(set(aliases)) != len(aliases):
+        problem("aliases", "An alias repeats the name or another alias.")
+    if entry.get("task") not in TASKS:
+        problem("task", f"One of {', '.join(TASKS)}.")
+    if entry.get("format") not in FORMATS:
+        problem("format", f"One of {', '.join(FORMATS)}.")
+    kind = entry.get("source_kind")
+    if kind == "hub":
+        if not REPO.match(entry.get("source_repo") or ""):
+            problem("source_repo", "A hub repository looks like owner/name.")
+        if not re.fullmatch(r"[0-9a-f]{40}", entry.get("source_revision") or ""):
+            problem("source_revision", "A hub source is pinned to a commit (40 hex digits), not a branch.")
+    elif kind == "local":
+        if not entry.get("source_path"):
+            problem("source_path", "A local source names its path.")
+    elif kind == "package":
+        if not entry.get("source_package"):
+            problem("source_package", "A package source names its package.")
+    else:
+        problem("source_kind", "One of hub, local, package.")
+    profiles = entry.get("profiles") or []
+    if not profiles:
+        problem("profiles", "At least one profile (engine, file, context).")
+    names = set()
+    for index, profile in enumerate(profiles):
+        where = f"profiles[{index}]"
+        if not isinstance(profile, dict):
+            problem(where, "A profile is an object.")
+            continue
+        if profile.get("name") in names:
+            problem(f"{where}.name", "Two profiles share a name.")
+        names.add(profile.get("name"))
+        engine = profile.get("engine")
+        if engine not in ENGINES:
+            problem(f"{where}.engine", f"One of {', '.join(ENGINES)}.")
+        if engine == "llamacpp" and entry.get("format") == "safetensors":
+            problem(f"{where}.engine", "llama.cpp serves GGUF files, not safetensors.")
+        if engine == "llamacpp" and not profile.get("file"):
+            problem(f"{where}.file", "A llama.cpp profile names the GGUF file it serves.")
+        for key in ("context", "parallel", "cores"):
+            value = profile.get(key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                problem(f"{where}.{key}", "A whole number, at least 1.")
+        priority = profile.get("priority")
+        if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 100):
+            problem(f"{where}.priority", "0 to 100.")
+    low, high = entry.get("scaling_min", 0), entry.get("scaling_max", 1)
+    if not isinstance(low, int) or low < 0:
+        problem("scaling_min", "0 or more.")
+    if not isinstance(high, int) or high < 0:
+        problem("scaling_max", "0 or more.")
+    elif isinstance(low, int) and high < low:
+        problem("scaling_max", f"At least the minimum ({low}).")
+    timeout = entry.get("idle_timeout_seconds")
+    if timeout is not None and (not isinstance(timeout, int) or timeout < 1):
+        problem("idle_timeout_seconds", "Seconds, at least 1, or empty for never.")
+    if entry.get("service_class") not in CLASSES:
+        problem("service_class", f"One of {', '.join(CLASSES)}.")
+    fallbacks = entry.get("fallbacks") or []
+    if not isinstance(fallbacks, list) or any(not isinstance(f, str) for f in fallbacks):
+        problem("fallbacks", "A list of model names.")
+    elif name in fallbacks:
+        problem("fallbacks", "A model cannot fall back to itself.")
+    return found
+
+
+def require_valid(entry: dict[str, Any]) -> None:
+    found = problems_of(entry)
+    if found:
+        listed = "; ".join(f"{p['field']}: {p['message']}" for p in found)
+        raise InvalidModelEntry(f"The model entry is incomplete or contradictory — {listed}",
+                                details={"problems": found})
+
+
+def fingerprint(entry: dict[str, Any]) -> str:
+    """First 8 bytes (hex) of SHA-256 over the source and profiles: what identifies a definition."""
+    keys = ("source_kind", "source_repo", "source_revision", "source_path", "source_package", "format", "profiles")
+    canonical = json.dumps({k: entry.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

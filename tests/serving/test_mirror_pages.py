@@ -1,0 +1,85 @@
+"""The mirror's tabs and API: Held, Explore (the only one that calls the hub) and Fetch (a refusal
+returns to the form with the reason)."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.catalog import entries, fetch
+from serving.catalog.models import FetchJob
+from tenancy.audit import Actor
+from tests.assets.gguf_models import ModelShape, write_gguf
+from tests.assets.hub_server import HubServer, hub, mirror_root  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def held(mirror_root, tiny_model):
+    return entries.import_local(Actor(system="tests"), tiny_model, name="tiny-held")
+
+
+def test_held_lists_each_model_on_one_line_and_opens_its_card(client, admin_user, held, hub):
+    client.force_login(admin_user)
+    page = client.get("/models/held/")
+    assert page.status_code == 200 and b"tiny-held" in page.content and b"1 held" in page.content
+    card = client.get(f"/models/held/{held.public_id}/")
+    assert card.status_code == 200 and b"llama" in card.content and b"Always running" in card.content
+    assert not [r for r in hub.requests]  # Held never calls the hub
+
+
+def test_the_card_refuses_a_minimum_above_the_maximum(client, admin_user, held):
+    client.force_login(admin_user)
+    response = client.post(f"/models/held/{held.public_id}/", {"scaling_min": "3", "scaling_max": "1"}, follow=True)
+    assert b"At least the minimum" in response.content
+    held.refresh_from_db()
+    assert (held.scaling_min, held.scaling_max) == (0, 1)
+
+
+def test_explore_searches_and_lists_files_with_a_remote_estimate(client, admin_user, hub, tmp_path, mirror_root):
+    data = write_gguf(tmp_path / "e.gguf", ModelShape()).read_bytes()
+    hub.add("acme/Explore-GGUF", {"explore-Q4_K_M.gguf": data}, downloads=9)
+    client.force_login(admin_user)
+    found = client.get("/models/explore/", {"q": "explore"})
+    assert b"acme/Explore-GGUF" in found.content
+    files = client.get("/models/explore/", {"repo": "acme/Explore-GGUF", "estimate": "explore-Q4_K_M.gguf"})
+    assert b"Q4_K_M" in files.content and b"Estimated memory" in files.content
+
+
+def test_an_unreachable_hub_is_said_plainly_and_the_other_tabs_keep_working(client, admin_user, held, monkeypatch):
+    gone = HubServer().start()
+    monkeypatch.setenv("HF_ENDPOINT", gone.url)
+    gone.stop()
+    client.force_login(admin_user)
+    explore = client.get("/models/explore/", {"q": "anything"})
+    assert explore.status_code == 503 and b"The hub is unreachable" in explore.content
+    assert client.get("/models/held/").status_code == 200
+    assert client.get("/models/fetch/").status_code == 200
+
+
+def test_a_refused_fetch_returns_to_the_form_with_the_reason(client, admin_user, hub, mirror_root):
+    hub.add("acme/Gated-GGUF", {"g-Q4_K_M.gguf": b"x"}, gated=True)
+    client.force_login(admin_user)
+    response = client.post("/models/fetch/", {"repo": "acme/Gated-GGUF", "revision": "main"})
+    assert response.status_code == 409
+    assert b"is gated" in response.content and b'value="acme/Gated-GGUF"' in response.content
+    assert not FetchJob.objects.exists()
+
+
+def test_api_starts_a_fetch_and_reads_the_hub(client, admin_user, hub, mirror_root, tmp_path,
+                                               django_capture_on_commit_callbacks):
+    data = write_gguf(tmp_path / "a.gguf", ModelShape()).read_bytes()
+    hub.add("acme/Api-GGUF", {"api-Q4_K_M.gguf": data})
+    client.force_login(admin_user)
+    listing = client.get("/api/serving/hub/files/", {"repo": "acme/Api-GGUF"}).json()
+    assert listing["sets"][0]["quantisation"] == "Q4_K_M" and listing["sets"][0]["size"] == len(data)
+    with django_capture_on_commit_callbacks(execute=False):
+        created = client.post("/api/serving/catalog/fetches/", {"repo": "acme/Api-GGUF"}, content_type="application/json")
+    assert created.status_code == 202, created.content
+    job = fetch.run(FetchJob.objects.get())
+    assert job.status == "done"
+    models = client.get("/api/serving/catalog/models/").json()
+    rows = models["results"] if isinstance(models, dict) else models
+    assert [m["name"] for m in rows] == ["api"] and rows[0]["files"][0]["verified"]
+    refused = client.post("/api/serving/catalog/fetches/", {"repo": "acme/Nope"}, content_type="application/json")
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "repository_not_found"
