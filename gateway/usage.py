@@ -57,6 +57,21 @@ def write_batch(rows: list[dict]) -> int:
     return len(records)
 
 
+def _note_used(rows: list[dict]) -> None:
+    """Tell Serving when each model was last served, so idle on-demand models can be unloaded."""
+    from serving import ondemand
+
+    last: dict[str, float] = {}
+    for row in rows:
+        name, at = row.get("model_served"), row.get("finished_at") or row.get("started_at")
+        if name and isinstance(at, (int, float)):
+            last[name] = max(at, last.get(name, 0.0))
+    try:
+        ondemand.note_used(last)
+    except Exception:  # noqa: BLE001 - a missed note only delays an unload; usage still gets written
+        log.exception("could not note when models were last used")
+
+
 def park(rows: list[dict], redis_url: str | None) -> None:
     """Keep a batch the database refused, for the retry task."""
     if not redis_url:
@@ -72,6 +87,7 @@ def park(rows: list[dict], redis_url: str | None) -> None:
 
 
 def write_or_park(rows: list[dict], redis_url: str | None) -> None:
+    _note_used(rows)
     try:
         write_batch(rows)
     except Exception:  # noqa: BLE001 - any database failure: keep the rows for the retry task

@@ -5,19 +5,16 @@ kept in-process for ``ROUTING_TTL`` seconds (``GATEWAY_ROUTING_TTL``); a change 
 ``CHANNEL`` (``publish_changed()``) makes every gateway process reload at once instead of waiting
 for the TTL. Nothing here imports the gateway: the table is plain data.
 
-What the deployments engineer must wire (the gateway already calls both ends):
+How Serving keeps it current (the gateway calls both ends):
 
 1. **Publish changes.** Call ``publish_changed()`` (after commit) whenever a replica enters or
    leaves the ``ready`` state or a deployment is created, parked, failed or removed, so routing
    follows within milliseconds rather than the TTL.
 2. **Trigger loads.** ``request_load(model_name)`` is what the gateway calls when a request asks for
-   a model that has no ready replica. Today it only checks that a deployment exists in a loadable
-   state and estimates when it will be up; replace the marked block in ``request_load`` with the
-   real trigger (wake a sleeping replica, enqueue a placement for an on-demand model, discard a
-   stale failed placement first). It must return quickly (enqueue, do not wait for the load) and
-   be harmless when called many times (many waiting requests call it). Raise ``ModelNotLoadable``
-   with the reason for anything that will not come up on its own (parked after repeated failures,
-   fits on no node): the gateway answers those at once with 503 and no ``Retry-After``.
+   a model that has no ready replica: a deployment on its way up is waited for; an on-demand model
+   (``serving.ondemand``) is started or placed. It returns quickly (the agent loads) and is
+   harmless when called many times. Anything that will not come up on its own raises
+   ``ModelNotLoadable`` with the reason: the gateway answers it at once with 503 and no ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -131,19 +128,20 @@ def request_load(model_name: str) -> LoadTicket:
 
     Raises ``ModelNotLoadable`` (503, code ``model_not_loaded``) when nothing can bring it up.
     """
+    from serving import ondemand
+
     deployments = [d for d in Deployment.objects.filter(name=model_name)]
     loadable = [d for d in deployments if d.state in LOADABLE_STATES]
     if not loadable:
-        reason = "no deployment can serve it"
-        failed = [d for d in deployments if d.state == DeploymentState.FAILED]
-        if failed and failed[0].state_detail:
-            reason = f"no deployment can serve it (last failure: {failed[0].state_detail[:200]})"
-        raise ModelNotLoadable(f"{model_name} is not loaded and will not be: {reason}.",
-                               details={"model": model_name, "reason": reason})
-    # --- The deployments engineer replaces this block with the real trigger (see the module doc):
-    # wake a sleeping replica, or enqueue placement of an on-demand one; idempotent and quick.
-    # Until then a loadable deployment comes up by itself (its replica is starting or loading).
-    # ---
+        try:  # an on-demand model: its first request loads it (starting or placing a deployment)
+            loadable = [ondemand.load(model_name)]
+        except ondemand.NotLoadable as refusal:
+            reason = refusal.message
+            failed = [d for d in deployments if d.state == DeploymentState.FAILED]
+            if failed and failed[0].state_detail and ondemand.entry_for(model_name) is None:
+                reason = f"no deployment can serve it (last failure: {failed[0].state_detail[:200]})"
+            raise ModelNotLoadable(f"{model_name} is not loaded and will not be: {reason}",
+                                   details={"model": model_name, "reason": reason}) from None
     return LoadTicket(model=model_name, expected_seconds=_expected_load_seconds(loadable))
 
 

@@ -33,10 +33,14 @@ def watch_replica(replica_id: str) -> None:
 @shared_task(name="serving.reconcile")
 def reconcile() -> int:
     """The control side of reconciliation: replicas on a lost node are failed and what they held is
-    given back (their agent cannot report, and cannot be asked to stop them)."""
+    given back (their agent cannot report, and cannot be asked to stop them); on-demand models idle
+    past their timeout are unloaded."""
+    from serving import ondemand
     from serving.deployments.reconcile import fail_replicas_of_lost_nodes
 
-    return fail_replicas_of_lost_nodes()
+    failed = fail_replicas_of_lost_nodes()
+    ondemand.unload_idle()
+    return failed
 
 
 @worker_init.connect

@@ -1,0 +1,100 @@
+"""On-demand models: the first request's load (through a real agent and engine) and the idle unload."""
+
+import shutil
+import time
+
+import pytest
+from django.core.cache import cache
+
+from scheduler.models import Node
+from serving import ondemand
+from serving.catalog.entries import import_local
+from serving.catalog.models import ModelEntry
+from serving.deployments import service
+from serving.models import Deployment
+from serving.routing import ModelNotLoadable, request_load
+from tenancy.audit import Actor
+from tests.assets.agent import NODE, Agent
+from tests.assets.waiting import wait_until
+
+pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def model_root(tmp_path, settings):
+    root = tmp_path / "models"
+    root.mkdir()
+    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
+    settings.SERVING_MODEL_ROOTS = [root.resolve()]
+    return root
+
+
+@pytest.fixture
+def agent(tmp_path, model_root):
+    import dataclasses
+
+    from scheduler.services import register_node
+    from serving.discovery import local_node_report
+
+    register_node(dataclasses.replace(local_node_report(), name=NODE))
+    cache.clear()
+    running = Agent(tmp_path, model_root)
+    yield running
+    for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
+        service.stop(Actor(system="tests"), deployment)
+    try:
+        wait_until(lambda: not Deployment.objects.exclude(state__in=("stopped", "failed")).exists(), 60,
+                   what="every deployment stopped")
+    finally:
+        running.stop()
+
+
+def on_demand_entry(tiny_model, tmp_path, name="lazy", idle=60):
+    source = shutil.copy(tiny_model, tmp_path / "source.gguf")
+    entry = import_local(Actor(system="tests"), source, name=name)
+    ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=0, idle_timeout_seconds=idle,
+                                                  profiles=[{**entry.profiles[0], "context": 256}])
+    return ModelEntry.objects.get(pk=entry.pk)
+
+
+def test_first_request_loads_the_model_and_idle_time_unloads_it(agent, tiny_model, tmp_path):
+    entry = on_demand_entry(tiny_model, tmp_path)
+    assert not Deployment.objects.exists()
+    ticket = request_load("lazy")
+    assert ticket.expected_seconds > 0
+    request_load("lazy")  # many waiting requests ask: still one deployment
+    deployment = Deployment.objects.get()
+    assert deployment.node.name == NODE and deployment.name == entry.name
+    wait_until(lambda: Deployment.objects.filter(pk=deployment.pk, state="ready").exists(), 120, what="ready")
+
+    assert ondemand.unload_idle() == []  # its last use is not known yet: not idle, the clock starts now
+    ondemand.note_used({"lazy": time.time() - 30})
+    assert ondemand.unload_idle() == []  # 30 s of a 60 s timeout
+    ondemand.note_used({"lazy": time.time() - 61})
+    assert ondemand.unload_idle() == ["lazy"]
+    wait_until(lambda: Deployment.objects.filter(pk=deployment.pk, state="stopped").exists(), 60, what="unloaded")
+
+    request_load("lazy")  # the next request starts the same deployment again
+    wait_until(lambda: Deployment.objects.filter(pk=deployment.pk, state="ready").exists(), 120, what="ready again")
+    assert Deployment.objects.count() == 1
+
+
+def test_a_model_that_is_not_on_demand_is_refused_at_once(db, tiny_model, tmp_path, model_root):
+    entry = on_demand_entry(tiny_model, tmp_path, name="always")
+    ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=1)
+    with pytest.raises(ModelNotLoadable, match="not an on-demand model"):
+        request_load("always")
+    with pytest.raises(ModelNotLoadable):
+        request_load("nothing-of-that-name")
+
+
+def test_an_on_demand_model_that_fits_nowhere_says_why(db, tiny_model, tmp_path, model_root):
+    from scheduler.services import NodeReport, register_node
+
+    register_node(NodeReport(name="small", address="127.0.0.1", cpu_count=1, memory_total_bytes=2**30,
+                             memory_available_bytes=2**29))
+    on_demand_entry(tiny_model, tmp_path)
+    with pytest.raises(ModelNotLoadable, match="fits on no node now") as refused:
+        request_load("lazy")
+    assert "small" in refused.value.message
+    assert not Deployment.objects.exists()
