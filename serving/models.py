@@ -119,4 +119,38 @@ class DeploymentEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.name}: {self.from_state or '—'} → {self.to_state}"
+class Operation(models.Model):
+    """A switch (A → B) or a reconfiguration that runs in the background, step by step, and undoes its
+    steps in reverse order if the new deployment does not come up."""
+
+    class Kind(models.TextChoices):
+        SWITCH = "switch", "Switch"
+        RECONFIGURE = "reconfigure", "Reconfigure"
+
+    class State(models.TextChoices):
+        RUNNING = "running", "Running"
+        SUCCEEDED = "succeeded", "Succeeded"
+        ROLLED_BACK = "rolled_back", "Rolled back"
+        ROLLBACK_INCOMPLETE = "rollback_incomplete", "Rollback incomplete"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    kind = models.CharField(max_length=12, choices=Kind.choices)
+    state = models.CharField(max_length=20, choices=State.choices, default=State.RUNNING, db_index=True)
+    source = models.ForeignKey(Deployment, null=True, on_delete=models.SET_NULL, related_name="+")
+    target = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    request = models.JSONField(help_text="What B is: the deploy request, as given.")
+    steps = models.JSONField(default=list, blank=True, help_text="[{step, status, message, at}] in order.")
+    message = models.TextField(blank=True)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                     related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.get_kind_display()} of {self.source.name if self.source else '—'} ({self.state})"
+
+
 from serving.catalog.models import FetchJob, ModelEntry, ModelFile  # noqa: E402,F401  (the catalog's tables)

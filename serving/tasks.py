@@ -30,6 +30,13 @@ def watch_replica(replica_id: str) -> None:
         agent.admit_next(replica.node_id)
 
 
+@shared_task(name="serving.run_operation")
+def run_operation(operation_id: str) -> str:
+    from serving.deployments import operations
+
+    return operations.run(operation_id).state
+
+
 @shared_task(name="serving.reconcile")
 def reconcile() -> int:
     """The control side of reconciliation: replicas on a lost node are failed and what they held is

@@ -1,7 +1,7 @@
 from rest_framework import serializers
 
 from serving.deployments import gate
-from serving.models import Deployment, DeploymentEvent, Replica
+from serving.models import Deployment, DeploymentEvent, Operation, Replica
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -54,3 +54,28 @@ class DeploymentEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = DeploymentEvent
         fields = ["at", "replica", "from_state", "to_state", "message", "log_tail"]
+
+
+class SwitchInputSerializer(serializers.Serializer):
+    """What B is; it takes A's model name."""
+
+    model_path = serializers.CharField(max_length=1024)
+    node = serializers.CharField(required=False, help_text="Node name or id (default: A's node).")
+    engine = serializers.ChoiceField(choices=Deployment.Engine.choices, required=False)
+    runtime = serializers.ChoiceField(choices=Deployment.Runtime.choices, required=False)
+    config = serializers.DictField(required=False, default=dict)
+
+
+class ReconfigureInputSerializer(serializers.Serializer):
+    config = serializers.DictField(help_text="Engine settings to change; the rest stay as they are.")
+
+
+class OperationSerializer(serializers.ModelSerializer):
+    id = serializers.UUIDField(source="public_id", read_only=True)
+    source = serializers.UUIDField(source="source.public_id", read_only=True, allow_null=True)
+    target = serializers.UUIDField(source="target.public_id", read_only=True, allow_null=True)
+
+    class Meta:
+        model = Operation
+        fields = ["id", "kind", "state", "source", "target", "request", "steps", "message", "created_at",
+                  "finished_at"]

@@ -5,9 +5,10 @@ from rest_framework.response import Response
 
 from berth.errors import InvalidInput
 from scheduler.models import Accelerator, Node
-from serving.api.serializers import DeployInputSerializer, DeploymentEventSerializer, DeploymentSerializer
-from serving.deployments import service
-from serving.models import Deployment
+from serving.api.serializers import (DeployInputSerializer, DeploymentEventSerializer, DeploymentSerializer,
+                                     OperationSerializer, ReconfigureInputSerializer, SwitchInputSerializer)
+from serving.deployments import operations, service
+from serving.models import Deployment, Operation
 from tenancy import access
 from tenancy.audit import Actor
 from tenancy.services.tree import resolve_scope
@@ -95,6 +96,37 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     def events(self, request, public_id=None):
         events = self.get_object().events.select_related("replica")
         return Response(DeploymentEventSerializer(events, many=True).data)
+
+    @extend_schema(request=SwitchInputSerializer, responses={202: OperationSerializer})
+    @action(detail=True, methods=["post"])
+    def switch(self, request, public_id=None):
+        """Switch this deployment's model name to B, rolling back to A if B does not come up."""
+        source = self.get_object()
+        data = _valid(SwitchInputSerializer, request.data)
+        node = (Node.objects.filter(name=data["node"]).first() or _by_id(Node, data["node"])) if data.get("node") \
+            else source.node
+        if node is None:
+            raise InvalidInput(f"No node {data['node']!r}.", details={"node": "unknown"})
+        target = service.DeployRequest(name=source.name, model_path=data["model_path"], node=node,
+                                       engine=data.get("engine") or source.engine,
+                                       runtime=data.get("runtime") or source.runtime, task=source.task,
+                                       config=data.get("config") or {}, owner=source.owner, priority=source.priority)
+        operation = operations.switch(Actor.from_request(request), source, target)
+        return Response(OperationSerializer(operation).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=ReconfigureInputSerializer, responses={202: OperationSerializer})
+    @action(detail=True, methods=["post"])
+    def reconfigure(self, request, public_id=None):
+        data = _valid(ReconfigureInputSerializer, request.data)
+        operation = operations.reconfigure(Actor.from_request(request), self.get_object(), data["config"])
+        return Response(OperationSerializer(operation).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(responses={200: OperationSerializer(many=True)})
+    @action(detail=True, methods=["get"], url_path="operations")
+    def operation_list(self, request, public_id=None):
+        deployment = self.get_object()
+        found = Operation.objects.filter(source=deployment) | Operation.objects.filter(target=deployment)
+        return Response(OperationSerializer(found.distinct(), many=True).data)
 
     def destroy(self, request, public_id=None):
         service.remove(Actor.from_request(request), self.get_object())

@@ -150,7 +150,7 @@ def _place(actor: Actor, deployment: Deployment, accelerator: Accelerator | None
 
 def start(actor: Actor, deployment: Deployment) -> Deployment:
     """Start a stopped or failed deployment again, with a fresh replica (and a fresh fit check)."""
-    _require(actor, "use", deployment)
+    require(actor, "use", deployment)
     if deployment.state not in (S.STOPPED, S.FAILED):
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a stopped or failed deployment starts.")
     accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
@@ -177,7 +177,7 @@ def dispatch(operation: str, replica: Replica) -> None:
 
 def stop(actor: Actor, deployment: Deployment) -> Deployment:
     """Stop every replica; a queued one is cancelled at once. Never waits on the start-up gate."""
-    _require(actor, "use", deployment)
+    require(actor, "use", deployment)
     with transaction.atomic():
         audit.record(actor, "deployment.stop", deployment, scope=deployment.owner, details={"name": deployment.name})
         for replica in deployment.replica_set.select_for_update().filter(state__in=states.ACTIVE + (S.PLANNED,)):
@@ -191,7 +191,7 @@ def stop(actor: Actor, deployment: Deployment) -> Deployment:
 
 
 def remove(actor: Actor, deployment: Deployment) -> None:
-    _require(actor, "use", deployment)
+    require(actor, "use", deployment)
     if deployment.state not in (S.STOPPED, S.FAILED, S.PLANNED):
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: stop it before removing it.")
     with transaction.atomic():
@@ -208,7 +208,7 @@ def release(replica: Replica) -> None:
     contracts.release(holder)
 
 
-def _require(actor: Actor, action: str, deployment: Deployment) -> None:
+def require(actor: Actor, action: str, deployment: Deployment) -> None:
     if deployment.owner is not None:
         access.require(actor, action, deployment.owner)
     elif not access.is_superuser(actor):

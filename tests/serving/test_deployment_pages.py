@@ -131,3 +131,26 @@ def test_stop_of_a_queued_deployment_cancels_it_and_releases_its_memory(personas
     assert not MemoryReservation.objects.exists()
     service.remove(Actor(user=personas.max), deployment)
     assert not Deployment.objects.exists()
+
+
+def test_switch_through_the_api_records_an_operation_for_the_worker(client, personas, node, model, no_agent,
+                                                                   django_capture_on_commit_callbacks, monkeypatch):
+    from serving import tasks
+
+    queued = []
+    monkeypatch.setattr(tasks.run_operation, "delay", lambda operation_id: queued.append(operation_id))
+    deployment = service.deploy(Actor(user=personas.max), service.DeployRequest(
+        name="tiny", model_path=str(model), node=node, config={"context": 256}, owner=personas.acme.project))
+    Deployment.objects.filter(pk=deployment.pk).update(state="ready")
+    client.force_login(personas.max)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(f"/api/serving/deployments/{deployment.public_id}/reconfigure/",
+                               {"config": {"context": 512}}, content_type="application/json")
+    assert response.status_code == 202 and response.json()["kind"] == "reconfigure"
+    assert queued == [response.json()["id"]]
+    listed = client.get(f"/api/serving/deployments/{deployment.public_id}/operations/").json()
+    assert [o["id"] for o in listed] == queued
+    client.force_login(personas.vera)
+    refused = client.post(f"/api/serving/deployments/{deployment.public_id}/reconfigure/",
+                          {"config": {"context": 512}}, content_type="application/json")
+    assert refused.status_code == 403

@@ -1,0 +1,163 @@
+"""Switch A → B and reconfigure, with rollback.
+
+A switch frees A's memory for B (stopping A — llama.cpp cannot sleep — and counting what A held as
+available), deploys B under A's model name, and waits for B to be ready. If B cannot be deployed or
+fails to come up, every step taken is undone in reverse order: B is stopped, A started again and
+waited for. An undo step that fails leaves the operation ``rollback_incomplete`` naming the step,
+so a person knows exactly what to look at. Every step is a line of the Operation row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from django.conf import settings
+from django.db import close_old_connections, transaction
+from django.utils import timezone
+
+from berth.errors import BerthError
+from serving.deployments import service
+from serving.errors import DeploymentConflict
+from serving.models import Deployment, DeploymentState as S, Operation
+from tenancy import audit
+from tenancy.audit import Actor
+
+log = logging.getLogger(__name__)
+STOP_TIMEOUT_SECONDS = 120
+
+
+def switch(actor: Actor, source: Deployment, request: service.DeployRequest,
+           kind: str = Operation.Kind.SWITCH) -> Operation:
+    """Record a switch of ``source`` to what ``request`` describes (under ``source``'s name) and hand
+    it to the control worker. Refused at once when ``source`` is not serving."""
+    service.require(actor, "use", source)
+    if source.state not in (S.READY, S.SLEEPING):
+        raise DeploymentConflict(f"{source.name} is {source.state}: only a serving deployment is switched.")
+    if Operation.objects.filter(source=source, state=Operation.State.RUNNING).exists():
+        raise DeploymentConflict(f"{source.name} is already being switched.")
+    description = {"model_path": request.model_path, "node": request.node.name, "engine": request.engine,
+                   "runtime": request.runtime, "task": request.task, "config": request.config,
+                   "priority": request.priority, "cores": request.cores,
+                   "owner": request.owner.pk if request.owner else None}
+    with transaction.atomic():
+        operation = Operation.objects.create(kind=kind, source=source, request=description, requested_by=actor.user)
+        audit.record(actor, f"deployment.{kind}", source, scope=source.owner, details={"to": description})
+        transaction.on_commit(lambda: _enqueue(operation))
+    return operation
+
+
+def reconfigure(actor: Actor, source: Deployment, config_patch: dict) -> Operation:
+    """Change one deployment's engine configuration in place, with the same rollback as a switch."""
+    request = service.DeployRequest(name=source.name, model_path=source.model_path, node=source.node,
+                                    engine=source.engine, runtime=source.runtime, task=source.task,
+                                    config={**source.config, **config_patch}, owner=source.owner,
+                                    priority=source.priority, cores=source.cores)
+    return switch(actor, source, request, kind=Operation.Kind.RECONFIGURE)
+
+
+def _enqueue(operation: Operation) -> None:
+    from serving import tasks
+
+    tasks.run_operation.delay(str(operation.public_id))
+
+
+@dataclasses.dataclass
+class _Run:
+    operation: Operation
+    actor: Actor
+
+    def step(self, name: str, status: str, message: str = "") -> None:
+        self.operation.steps = [*self.operation.steps, {"step": name, "status": status, "message": message,
+                                                        "at": timezone.now().isoformat()}]
+        self.operation.save(update_fields=["steps"])
+
+    def finish(self, state: str, message: str) -> Operation:
+        self.operation.state = state
+        self.operation.message = message
+        self.operation.finished_at = timezone.now()
+        self.operation.save(update_fields=["state", "message", "finished_at"])
+        return self.operation
+
+
+def run(operation_id: str) -> Operation:
+    """Carry an operation out (the control worker's task calls this)."""
+    operation = Operation.objects.select_related("source__node").get(public_id=operation_id)
+    run = _Run(operation, Actor(user=operation.requested_by) if operation.requested_by else Actor(system="switch"))
+    source = operation.source
+    description = operation.request
+    from scheduler.models import Node
+    from tenancy.models import Scope
+
+    request = service.DeployRequest(
+        name=source.name, model_path=description["model_path"], node=Node.objects.get(name=description["node"]),
+        engine=description["engine"], runtime=description["runtime"], task=description["task"],
+        config=description["config"], priority=description["priority"], cores=description["cores"],
+        owner=Scope.objects.filter(pk=description["owner"]).first() if description["owner"] else None)
+
+    # 1. Free A's memory: llama.cpp cannot sleep, so A stops (vLLM's sleep frees too little to count on).
+    try:
+        service.stop(run.actor, source)
+        _wait(source, (S.STOPPED,), STOP_TIMEOUT_SECONDS)
+        run.step("stop A", "done", f"{source.name} stopped; its memory counts for B")
+    except BerthError as error:
+        run.step("stop A", "failed", error.message)
+        return run.finish(Operation.State.ROLLED_BACK, f"A could not be stopped, nothing changed: {error.message}")
+
+    # 2. Deploy B under A's name and wait for it.
+    target = None
+    try:
+        target = service.deploy(run.actor, request)
+        operation.target = target
+        operation.save(update_fields=["target"])
+        run.step("deploy B", "done", f"B placed on {request.node.name}")
+        _wait(target, (S.READY,), settings.SERVING_STARTUP_TIMEOUT_SECONDS + 60)
+        run.step("B ready", "done", f"{target.name} is served by B")
+        return run.finish(Operation.State.SUCCEEDED, f"{source.name} now runs on B; A is stopped and kept.")
+    except BerthError as error:
+        run.step("B ready" if target else "deploy B", "failed", error.message)
+        failure = error.message
+
+    # 3. Undo, in reverse order: stop B, start A again.
+    undo_failed = []
+    if target is not None:
+        try:
+            target.refresh_from_db()
+            if target.state not in (S.STOPPED, S.FAILED):
+                service.stop(run.actor, target)
+                _wait(target, (S.STOPPED, S.FAILED), STOP_TIMEOUT_SECONDS)
+            run.step("undo: stop B", "done")
+        except BerthError as error:
+            run.step("undo: stop B", "failed", error.message)
+            undo_failed.append("stop B")
+    try:
+        service.start(run.actor, Deployment.objects.get(pk=source.pk))
+        _wait(source, (S.READY,), settings.SERVING_STARTUP_TIMEOUT_SECONDS + 60)
+        run.step("undo: start A", "done", f"{source.name} is served by A again")
+    except BerthError as error:
+        run.step("undo: start A", "failed", error.message)
+        undo_failed.append("start A")
+    if undo_failed:
+        return run.finish(Operation.State.ROLLBACK_INCOMPLETE,
+                          f"B failed ({failure}) and the rollback did not finish: {', '.join(undo_failed)} failed.")
+    return run.finish(Operation.State.ROLLED_BACK, f"B failed ({failure}); A serves {source.name} again.")
+
+
+class _Timeout(BerthError):
+    status = 504
+    code = "operation_timeout"
+
+
+def _wait(deployment: Deployment, states: tuple[str, ...], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        close_old_connections()
+        deployment.refresh_from_db(fields=["state", "state_detail"])
+        if deployment.state in states:
+            return
+        if deployment.state == S.FAILED:
+            raise BerthError(f"{deployment.name} failed: {deployment.state_detail}", code="deployment_failed")
+        if time.monotonic() > deadline:
+            raise _Timeout(f"{deployment.name} is still {deployment.state} after {timeout:.0f}s.")
+        time.sleep(0.2)
