@@ -30,7 +30,7 @@ from serving.deployments import gate, states
 from serving.deployments.service import engine_for, estimation_config, holder_of, release
 from serving.engines.base import LaunchSpec
 from serving.keys import replica_key
-from serving.models import DeploymentState as S, Replica
+from serving.models import DeploymentEvent, DeploymentState as S, Replica
 from serving.runtimes.base import Exit, Handle
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,63 @@ def stop_replica(replica_id: str) -> None:
     if states.move(replica, S.STOPPED, "stopped" + (f" ({exit.describe()})" if exit else "")):
         release(replica)
     admit_next(replica.node_id)
+
+
+def _base_url(replica: Replica) -> str:
+    spec = launch_spec(replica)
+    return f"http://{spec.host}:{spec.port}"
+
+
+def sleep_replica(replica_id: str) -> None:
+    """vLLM level-1 sleep: device memory is freed, so the replica's memory reservation is given back."""
+    from serving.engines import vllm
+
+    replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
+    if replica is None or replica.state != S.READY:
+        return
+    try:
+        vllm.sleep(_base_url(replica), replica_key(replica.public_id))
+    except BerthError as error:  # stays ready, and says why it did not sleep
+        DeploymentEvent.objects.create(deployment=replica.deployment, replica=replica, from_state=S.READY,
+                                       to_state=S.READY, message=f"could not sleep: {error.message}")
+        return
+    if states.move(replica, S.SLEEPING, "asleep: its device memory is free"):
+        memory.release_reservation(holder_of(replica))
+
+
+def wake_replica(replica_id: str) -> None:
+    """Claim the memory back under the node's lock, then wake; refused (and left asleep) when it is
+    not free."""
+    from serving.engines import vllm
+
+    replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
+    if replica is None or replica.state != S.SLEEPING:
+        return
+    deployment = replica.deployment
+    accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
+    try:
+        memory.reserve_memory(replica.node, holder_of(replica), replica.memory_reserved_bytes,
+                              accelerator=accelerator, description=f"{deployment.name} (waking)")
+        vllm.wake_up(_base_url(replica), replica_key(replica.public_id),
+                     reservation_bytes=replica.memory_reserved_bytes,
+                     free_device_bytes=lambda: _free_bytes(replica.node, accelerator))
+    except BerthError as error:
+        memory.release_reservation(holder_of(replica))
+        DeploymentEvent.objects.create(deployment=deployment, replica=replica, from_state=S.SLEEPING,
+                                       to_state=S.SLEEPING, message=f"wake refused: {error.message}")
+        return
+    states.move(replica, S.READY, "awake")
+
+
+def _free_bytes(node: Node, accelerator) -> int | None:
+    """Free memory now on the device the replica wakes into (the node's for a CPU placement)."""
+    node.refresh_from_db(fields=["memory_available_bytes"])
+    if accelerator is None:
+        return node.memory_available_bytes
+    accelerator.refresh_from_db()
+    if accelerator.memory_total_bytes is None or accelerator.memory_used_bytes is None:
+        return None
+    return accelerator.memory_total_bytes - accelerator.memory_used_bytes
 
 
 def admit_next(node_id: int) -> None:

@@ -21,6 +21,16 @@ def stop_replica(replica_id: str) -> None:
 
 
 @shared_task(acks_late=False)
+def sleep_replica(replica_id: str) -> None:
+    agent.sleep_replica(replica_id)
+
+
+@shared_task(acks_late=False)
+def wake_replica(replica_id: str) -> None:
+    agent.wake_replica(replica_id)
+
+
+@shared_task(acks_late=False)
 def watch_replica(replica_id: str) -> None:
     from serving.models import Replica
 

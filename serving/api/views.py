@@ -91,6 +91,18 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         deployment = service.start(Actor.from_request(request), self.get_object())
         return Response(DeploymentSerializer(deployment).data)
 
+    @extend_schema(request=None, responses={200: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def sleep(self, request, public_id=None):
+        deployment = service.sleep(Actor.from_request(request), self.get_object())
+        return Response(DeploymentSerializer(deployment).data)
+
+    @extend_schema(request=None, responses={200: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def wake(self, request, public_id=None):
+        deployment = service.wake(Actor.from_request(request), self.get_object())
+        return Response(DeploymentSerializer(deployment).data)
+
     @extend_schema(responses={200: DeploymentEventSerializer(many=True)})
     @action(detail=True, methods=["get"])
     def events(self, request, public_id=None):

@@ -12,7 +12,7 @@ from berth.errors import BerthError
 from scheduler import memory
 from scheduler.models import Accelerator, Node
 from serving.deployments import ports, states
-from serving.errors import DeploymentConflict, InvalidDeployment
+from serving.errors import DeploymentConflict, InvalidDeployment, SleepNotSupported
 from serving.models import Deployment, DeploymentState as S, Replica
 from tenancy import access, audit
 from tenancy.audit import Actor
@@ -171,7 +171,8 @@ def dispatch(operation: str, replica: Replica) -> None:
     """Hand an engine operation to the agent of the replica's node."""
     from serving import tasks
 
-    task = {"start": tasks.start_replica, "stop": tasks.stop_replica}[operation]
+    task = {"start": tasks.start_replica, "stop": tasks.stop_replica, "sleep": tasks.sleep_replica,
+            "wake": tasks.wake_replica}[operation]
     task.apply_async(args=[str(replica.public_id)], queue=f"node.{replica.node.name}")
 
 
@@ -187,6 +188,33 @@ def stop(actor: Actor, deployment: Deployment) -> Deployment:
             else:
                 transaction.on_commit(lambda r=replica: dispatch("stop", r))
     deployment.refresh_from_db()
+    return deployment
+
+
+def sleep(actor: Actor, deployment: Deployment) -> Deployment:
+    """Put a ready deployment to sleep: its device memory is freed at once (never delayed by the gate)."""
+    require(actor, "use", deployment)
+    if deployment.engine != Deployment.Engine.VLLM:
+        raise SleepNotSupported(f"{deployment.get_engine_display()} cannot sleep: stop {deployment.name} to free "
+                                "its memory (it loads again when started).")
+    replicas = list(deployment.replica_set.filter(state=S.READY))
+    if not replicas:
+        raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a ready deployment sleeps.")
+    audit.record(actor, "deployment.sleep", deployment, scope=deployment.owner, details={"name": deployment.name})
+    for replica in replicas:
+        dispatch("sleep", replica)
+    return deployment
+
+
+def wake(actor: Actor, deployment: Deployment) -> Deployment:
+    """Wake a sleeping deployment once the memory it takes back is free again."""
+    require(actor, "use", deployment)
+    replicas = list(deployment.replica_set.filter(state=S.SLEEPING))
+    if not replicas:
+        raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a sleeping deployment wakes.")
+    audit.record(actor, "deployment.wake", deployment, scope=deployment.owner, details={"name": deployment.name})
+    for replica in replicas:
+        dispatch("wake", replica)
     return deployment
 
 
