@@ -45,3 +45,14 @@ class EventTable(Table):
         Column("To", "to_state"),
         Column("What happened", "message"),
     )
+
+
+class OperationTable(Table):
+    columns = (
+        Column("When", lambda o: o.created_at.strftime("%Y-%m-%d %H:%M:%S")),
+        Column("What", lambda o: o.get_kind_display()),
+        Column("State", lambda o: o.get_state_display()),
+        Column("Steps", lambda o: " → ".join(f"{s['step']} ({s['status']})" for s in o.steps)),
+        Column("Outcome", "message"),
+    )
+    empty_message = "No switch or reconfiguration yet."

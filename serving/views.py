@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.http import Http404
@@ -11,9 +13,10 @@ from django.views import View
 from berth.errors import BerthError
 from berth.htmx import PageView, render_page
 from serving.api.views import visible_deployments
-from serving.deployments import service
+from serving.deployments import operations, service
 from serving.forms import DeployForm
-from serving.tables import DeploymentTable, EventTable
+from serving.models import Operation
+from serving.tables import DeploymentTable, EventTable, OperationTable
 from tenancy import access
 from tenancy.audit import Actor
 from tenancy.models import Scope
@@ -40,7 +43,9 @@ class DeploymentView(LoginRequiredMixin, PageView):
         if deployment is None:
             raise Http404("No such deployment, or it is outside your reach.")
         events = list(deployment.events.all())
+        operations = Operation.objects.filter(source=deployment) | Operation.objects.filter(target=deployment)
         context.update(deployment=deployment, events=EventTable(reversed(events)),
+                       operations=OperationTable(operations.distinct()),
                        log_tail=next((e.log_tail for e in reversed(events) if e.log_tail), ""),
                        settled=deployment.state in ("ready", "stopped", "failed", "sleeping"))
         return context
@@ -49,7 +54,8 @@ class DeploymentView(LoginRequiredMixin, PageView):
 class DeploymentActionView(LoginRequiredMixin, View):
     """POST stop / start / remove on one deployment, then back to where the person was."""
 
-    verbs = {"stop": service.stop, "start": service.start, "remove": service.remove}
+    verbs = {"stop": service.stop, "start": service.start, "remove": service.remove, "sleep": service.sleep,
+             "wake": service.wake}
 
     def post(self, request, public_id, verb):
         deployment = visible_deployments(request.user).filter(public_id=public_id).first()
@@ -63,6 +69,26 @@ class DeploymentActionView(LoginRequiredMixin, View):
         if verb == "remove":
             messages.success(request, f"{deployment.name} removed.")
             return redirect("serving:index")
+        return redirect("serving:deployment", public_id=public_id)
+
+
+class ReconfigureView(LoginRequiredMixin, View):
+    """Change engine settings in place; the switch runs in the background and rolls back on failure."""
+
+    def post(self, request, public_id):
+        deployment = visible_deployments(request.user).filter(public_id=public_id).first()
+        if deployment is None:
+            raise Http404("No such deployment, or it is outside your reach.")
+        try:
+            patch = json.loads(request.POST.get("config") or "{}")
+            if not isinstance(patch, dict):
+                raise ValueError("a JSON object")
+            operations.reconfigure(Actor.from_request(request), deployment, patch)
+            messages.success(request, f"Reconfiguring {deployment.name}; A keeps serving until B is ready.")
+        except ValueError as error:
+            messages.error(request, f"The settings must be a JSON object: {error}")
+        except BerthError as error:
+            messages.error(request, error.message)
         return redirect("serving:deployment", public_id=public_id)
 
 

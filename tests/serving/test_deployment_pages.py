@@ -154,3 +154,23 @@ def test_switch_through_the_api_records_an_operation_for_the_worker(client, pers
     refused = client.post(f"/api/serving/deployments/{deployment.public_id}/reconfigure/",
                           {"config": {"context": 512}}, content_type="application/json")
     assert refused.status_code == 403
+
+
+def test_deployment_page_reconfigures_and_lists_operations(client, personas, node, model, no_agent, monkeypatch,
+                                                           django_capture_on_commit_callbacks):
+    from serving import tasks
+    from serving.models import Operation
+
+    monkeypatch.setattr(tasks.run_operation, "delay", lambda operation_id: None)
+    deployment = service.deploy(Actor(user=personas.max), service.DeployRequest(
+        name="tiny", model_path=str(model), node=node, config={"context": 256}, owner=personas.acme.project))
+    Deployment.objects.filter(pk=deployment.pk).update(state="ready")
+    client.force_login(personas.max)
+    url = f"/models/deployments/{deployment.public_id}/"
+    bad = client.post(url + "reconfigure/", {"config": "[1, 2]"}, follow=True)
+    assert "must be a JSON object" in bad.content.decode() and not Operation.objects.exists()
+    with django_capture_on_commit_callbacks(execute=True):
+        client.post(url + "reconfigure/", {"config": '{"context": 512}'})
+    assert Operation.objects.get().kind == "reconfigure"
+    page = client.get(url).content.decode()
+    assert "Reconfigure" in page and "Running" in page
