@@ -379,7 +379,8 @@ class Gateway:
         watcher = None
         try:
             if not route.endpoints:
-                route = await self._admit_while_loading(call, route)
+                route = self._fallback(principal, table, route) or await self._admit_while_loading(call, route)
+                call.model_label = route.name  # a fallback serves under its own name
             if stream:
                 options = payload.get("stream_options")
                 if not isinstance(options, dict) or options.get("include_usage") is not True:
@@ -403,6 +404,15 @@ class Gateway:
                     call.disconnected = True
                     task.cancel()
                 return
+
+    @staticmethod
+    def _fallback(principal, table, route: routing.ModelRoute) -> routing.ModelRoute | None:
+        """The first of the model's fallbacks that is ready and that this key may use."""
+        for name in route.fallbacks:
+            candidate = table.route(name)
+            if candidate is not None and candidate.endpoints and principal.allows(name):
+                return candidate
+        return None
 
     async def _admit_while_loading(self, call: Call, route: routing.ModelRoute) -> routing.ModelRoute:
         """Ask for the model to be loaded and wait, in a bounded queue, up to the admission timeout."""

@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from berth.errors import Unavailable
 from serving.keys import replica_key
+from serving.catalog.models import ModelEntry
 from serving.models import Deployment, DeploymentState, Replica
 
 CHANNEL = "berth:routing:changed"
@@ -59,10 +60,11 @@ class Endpoint:
 
 @dataclasses.dataclass(frozen=True)
 class ModelRoute:
-    name: str
+    name: str  # the catalog name, also when the request used an alias
     task: str
     state: str  # the most hopeful state among the model's deployments
     endpoints: tuple[Endpoint, ...]  # ready replicas
+    fallbacks: tuple[str, ...] = ()  # models to serve instead while this one has no ready replica
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +90,8 @@ def _url(address: str, port: int) -> str:
 
 
 def load_table() -> RoutingTable:
-    """Read the whole table: two indexed queries, whatever the fleet's size."""
+    """Read the whole table: three indexed queries, whatever the fleet's size. A model answers to
+    its catalog name and its aliases; an on-demand model with no deployment yet is listed too."""
     names: dict[str, dict] = {}
     for row in Deployment.objects.filter(state__in=LISTED_STATES).values("name", "task", "state"):
         entry = names.setdefault(row["name"], {"task": row["task"], "states": set()})
@@ -99,12 +102,24 @@ def load_table() -> RoutingTable:
     for public_id, port, address, name, task in ready:
         endpoints.setdefault(name, []).append(Endpoint(str(public_id), _url(address, port), replica_key(public_id)))
         names.setdefault(name, {"task": task, "states": {DeploymentState.READY}})
+    catalog = {row["name"]: row for row in ModelEntry.objects.values("name", "task", "aliases", "fallbacks",
+                                                                     "scaling_min")}
+    for name, row in catalog.items():
+        # An on-demand model with no deployment yet is still routable: its first request loads it.
+        if name not in names and row["scaling_min"] == 0:
+            names[name] = {"task": row["task"], "states": {DeploymentState.STOPPED}}
     models = {}
     for name, entry in names.items():
         found = endpoints.get(name, [])
         states = entry["states"] | ({DeploymentState.READY} if found else set())
         state = next((s for s in _STATE_ORDER if s in states), DeploymentState.UNKNOWN)
-        models[name] = ModelRoute(name=name, task=entry["task"], state=str(state), endpoints=tuple(found))
+        row = catalog.get(name) or {}
+        models[name] = ModelRoute(name=name, task=entry["task"], state=str(state), endpoints=tuple(found),
+                                  fallbacks=tuple(f for f in row.get("fallbacks") or () if f != name))
+    for name, row in catalog.items():
+        for alias in row["aliases"] or ():
+            if name in models and alias not in models:
+                models[alias] = models[name]  # the alias answers with the model's own route
     return RoutingTable(models=models, loaded_at=time.monotonic())
 
 

@@ -3,15 +3,10 @@
 import httpx
 import pytest
 
-from gateway.models import UsageRecord
 from tests.assets.waiting import wait_until
+from tests.gateway.usage import record_of
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
-
-
-def record_of(request_id):
-    return wait_until(lambda: UsageRecord.objects.filter(request_id=request_id).first(), 20,
-                      what=f"the usage record of {request_id}")
 
 
 def test_chat_answers_through_the_gateway_and_leaves_a_usage_record(gateway, chat_engine, deploy, make_key):

@@ -10,19 +10,14 @@ import pytest
 from django.apps import apps
 from django.core import serializers
 
-from gateway.models import UsageRecord
 from serving import routing
 from serving.keys import replica_key
 from serving.models import Deployment, Replica
 from tests.assets.llama_server import LlamaServer, free_port
 from tests.assets.waiting import wait_until
+from tests.gateway.usage import record_of
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
-
-
-def record_of(request_id):
-    return wait_until(lambda: UsageRecord.objects.filter(request_id=request_id).first(), 20,
-                      what=f"the usage record of {request_id}")
 
 
 def cancellations(server) -> int:
