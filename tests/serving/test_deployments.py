@@ -181,3 +181,18 @@ def test_docker_runtime_deploys_a_ready_container(agent, model_root, tiny_model)
     service.stop(ADMIN, deployment)
     wait_until(lambda: state_of(deployment) == "stopped", 60, what="the container stopped")
     assert not docker.from_env().containers.list(all=True, filters={"label": f"berth.replica={replica.public_id}"})
+
+
+def test_a_queued_deploy_that_no_longer_fits_at_its_turn_fails_with_the_reason(agent, model_root, smollm2_model,
+                                                                                tiny_model):
+    from scheduler.models import MemoryReservation
+
+    first = deploy("first", Path(shutil.copy(smollm2_model, model_root / "smol.gguf")))
+    second = deploy("second", Path(shutil.copy(tiny_model, model_root / "tiny.gguf")))
+    wait_until(lambda: state_of(second) == "queued", 30, what="the second deploy queued behind the first")
+    # While it waits, something else takes the node's memory.
+    MemoryReservation.objects.create(node=_node(), holder="elsewhere", bytes=_node().memory_total_bytes)
+    wait_until(lambda: state_of(second) == "failed", 120, what="the second deploy failed at its turn")
+    assert "no longer fits at its turn" in second.events.get(to_state="failed").message
+    MemoryReservation.objects.filter(holder="elsewhere").delete()
+    wait_until(lambda: state_of(first) == "ready", 120, what="the first one ready")
