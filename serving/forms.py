@@ -24,6 +24,21 @@ class DeployForm(forms.Form):
     extra_config = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}),
                                    help_text='More engine settings as JSON, e.g. {"cache_type_k": "q8_0"}.')
 
+    # The plan chosen in the preview (radio buttons there belong to this form): JSON actions.
+    actions = forms.CharField(required=False, widget=forms.HiddenInput)
+
+    def clean_actions(self):
+        text = self.cleaned_data.get("actions") or ""
+        if not text.strip():
+            return []
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise forms.ValidationError("The chosen plan could not be read; preview again.") from None
+        if not isinstance(value, list):
+            raise forms.ValidationError("The chosen plan could not be read; preview again.")
+        return value
+
     def clean_extra_config(self):
         text = self.cleaned_data.get("extra_config") or ""
         if not text.strip():

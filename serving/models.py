@@ -120,12 +120,13 @@ class DeploymentEvent(models.Model):
     def __str__(self) -> str:
         return f"{self.deployment.name}: {self.from_state or '—'} → {self.to_state}"
 class Operation(models.Model):
-    """A switch (A → B) or a reconfiguration that runs in the background, step by step, and undoes its
-    steps in reverse order if the new deployment does not come up."""
+    """A switch (A → B), a reconfiguration, or a deploy that first sleeps or stops other deployments:
+    run in the background step by step, its steps undone in reverse order if it cannot finish."""
 
     class Kind(models.TextChoices):
         SWITCH = "switch", "Switch"
         RECONFIGURE = "reconfigure", "Reconfigure"
+        DEPLOY = "deploy", "Deploy after freeing memory"
 
     class State(models.TextChoices):
         RUNNING = "running", "Running"
@@ -136,9 +137,9 @@ class Operation(models.Model):
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     kind = models.CharField(max_length=12, choices=Kind.choices)
     state = models.CharField(max_length=20, choices=State.choices, default=State.RUNNING, db_index=True)
-    source = models.ForeignKey(Deployment, null=True, on_delete=models.SET_NULL, related_name="+")
+    source = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     target = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    request = models.JSONField(help_text="What B is: the deploy request, as given.")
+    request = models.JSONField(help_text="What B is: the deploy request, as given (and the chosen actions).")
     steps = models.JSONField(default=list, blank=True, help_text="[{step, status, message, at}] in order.")
     message = models.TextField(blank=True)
     requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,

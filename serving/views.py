@@ -102,6 +102,12 @@ class DeployView(LoginRequiredMixin, View):
         form = DeployForm(request.POST)
         if form.is_valid():
             try:
+                if form.cleaned_data.get("actions"):
+                    operation = operations.deploy_after(Actor.from_request(request), _request(request, form),
+                                                        form.cleaned_data["actions"])
+                    messages.success(request, "Freeing memory first, then deploying: "
+                                              + "; ".join(f"{a['kind']} {a['target']}" for a in operation.request["actions"]))
+                    return redirect("serving:index")
                 deployment = service.deploy(Actor.from_request(request), _request(request, form))
             except BerthError as error:
                 form.add_error(None, error.message)
@@ -118,7 +124,11 @@ class PreviewView(LoginRequiredMixin, View):
         context = {"form": form}
         if form.is_valid():
             try:
-                context["result"] = service.preview(_request(request, form))
+                result = service.preview(_request(request, form))
+                # Each plan with the actions the wizard posts back when it is chosen.
+                context.update(result=result, plans=[
+                    (plan, json.dumps([{"kind": a.kind, "target": a.target} for a in plan.actions]))
+                    for plan in (result.fit.plans if result.fit else ())])
             except BerthError as error:
                 context["error"] = error
         return render_page(request, "serving/preview.html", "serving/preview.html", context)

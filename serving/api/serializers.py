@@ -46,6 +46,8 @@ class DeployInputSerializer(serializers.Serializer):
     owner = serializers.CharField(required=False, allow_blank=True, help_text="A scope, e.g. project:acme/ml/search.")
     priority = serializers.IntegerField(min_value=0, max_value=100, default=50)
     cores = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    actions = serializers.ListField(child=serializers.DictField(), required=False, default=list,
+                                    help_text="A plan's actions to apply first: [{kind: sleep|stop, target: name}].")
 
 
 class DeploymentEventSerializer(serializers.ModelSerializer):

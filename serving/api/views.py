@@ -65,9 +65,14 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     def get_queryset(self):
         return visible_deployments(self.request.user)
 
-    @extend_schema(request=DeployInputSerializer, responses={201: DeploymentSerializer})
+    @extend_schema(request=DeployInputSerializer, responses={201: DeploymentSerializer, 202: OperationSerializer})
     def create(self, request):
+        """Deploy now (201), or — with a plan's ``actions`` — after freeing memory (202, an operation)."""
         data = _valid(DeployInputSerializer, request.data)
+        if data.get("actions"):
+            operation = operations.deploy_after(Actor.from_request(request), deploy_request(request, data),
+                                                data["actions"])
+            return Response(OperationSerializer(operation).data, status=status.HTTP_202_ACCEPTED)
         deployment = service.deploy(Actor.from_request(request), deploy_request(request, data))
         return Response(DeploymentSerializer(deployment).data, status=status.HTTP_201_CREATED)
 

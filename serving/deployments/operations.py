@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from berth.errors import BerthError
 from serving.deployments import service
-from serving.errors import DeploymentConflict
+from serving.errors import DeploymentConflict, InvalidDeployment
 from serving.models import Deployment, DeploymentState as S, Operation
 from tenancy import audit
 from tenancy.audit import Actor
@@ -37,10 +37,7 @@ def switch(actor: Actor, source: Deployment, request: service.DeployRequest,
         raise DeploymentConflict(f"{source.name} is {source.state}: only a serving deployment is switched.")
     if Operation.objects.filter(source=source, state=Operation.State.RUNNING).exists():
         raise DeploymentConflict(f"{source.name} is already being switched.")
-    description = {"model_path": request.model_path, "node": request.node.name, "engine": request.engine,
-                   "runtime": request.runtime, "task": request.task, "config": request.config,
-                   "priority": request.priority, "cores": request.cores,
-                   "owner": request.owner.pk if request.owner else None}
+    description = _describe(request)
     with transaction.atomic():
         operation = Operation.objects.create(kind=kind, source=source, request=description, requested_by=actor.user)
         audit.record(actor, f"deployment.{kind}", source, scope=source.owner, details={"to": description})
@@ -55,6 +52,37 @@ def reconfigure(actor: Actor, source: Deployment, config_patch: dict) -> Operati
                                     config={**source.config, **config_patch}, owner=source.owner,
                                     priority=source.priority, cores=source.cores)
     return switch(actor, source, request, kind=Operation.Kind.RECONFIGURE)
+
+
+def deploy_after(actor: Actor, request: service.DeployRequest, actions: list[dict]) -> Operation:
+    """Deploy once the chosen actions (``{"kind": "sleep"|"stop", "target": name}``, as the fit's plans
+    name them) have freed memory; if the deploy is still refused, the actions are undone."""
+    problems = [a for a in actions if a.get("kind") not in ("sleep", "stop") or not a.get("target")]
+    if not actions or problems:
+        raise InvalidDeployment("Actions are a list of {kind: sleep|stop, target: deployment name}.",
+                                details={"actions": problems or "empty"})
+    targets = []
+    for action in actions:
+        target = Deployment.objects.filter(name=action["target"], node=request.node,
+                                           state__in=(S.READY, S.SLEEPING)).first()
+        if target is None:
+            raise InvalidDeployment(f"No running deployment {action['target']!r} on {request.node.name}.")
+        service.require(actor, "use", target)
+        targets.append(target)
+    description = _describe(request) | {"name": request.name, "actions": actions}
+    with transaction.atomic():
+        operation = Operation.objects.create(kind=Operation.Kind.DEPLOY, request=description,
+                                             requested_by=actor.user)
+        audit.record(actor, "deployment.deploy_after", operation, scope=request.owner, details=description)
+        transaction.on_commit(lambda: _enqueue(operation))
+    return operation
+
+
+def _describe(request: service.DeployRequest) -> dict:
+    return {"model_path": request.model_path, "node": request.node.name, "engine": request.engine,
+            "runtime": request.runtime, "task": request.task, "config": request.config,
+            "priority": request.priority, "cores": request.cores,
+            "owner": request.owner.pk if request.owner else None}
 
 
 def _enqueue(operation: Operation) -> None:
@@ -81,20 +109,25 @@ class _Run:
         return self.operation
 
 
+def _request(description: dict, name: str) -> service.DeployRequest:
+    from scheduler.models import Node
+    from tenancy.models import Scope
+
+    return service.DeployRequest(
+        name=name, model_path=description["model_path"], node=Node.objects.get(name=description["node"]),
+        engine=description["engine"], runtime=description["runtime"], task=description["task"],
+        config=description["config"], priority=description["priority"], cores=description["cores"],
+        owner=Scope.objects.filter(pk=description["owner"]).first() if description["owner"] else None)
+
+
 def run(operation_id: str) -> Operation:
     """Carry an operation out (the control worker's task calls this)."""
     operation = Operation.objects.select_related("source__node").get(public_id=operation_id)
     run = _Run(operation, Actor(user=operation.requested_by) if operation.requested_by else Actor(system="switch"))
+    if operation.kind == Operation.Kind.DEPLOY:
+        return _run_deploy_after(run)
     source = operation.source
-    description = operation.request
-    from scheduler.models import Node
-    from tenancy.models import Scope
-
-    request = service.DeployRequest(
-        name=source.name, model_path=description["model_path"], node=Node.objects.get(name=description["node"]),
-        engine=description["engine"], runtime=description["runtime"], task=description["task"],
-        config=description["config"], priority=description["priority"], cores=description["cores"],
-        owner=Scope.objects.filter(pk=description["owner"]).first() if description["owner"] else None)
+    request = _request(operation.request, source.name)
 
     # 1. Free A's memory: llama.cpp cannot sleep, so A stops (vLLM's sleep frees too little to count on).
     try:
@@ -142,6 +175,59 @@ def run(operation_id: str) -> Operation:
         return run.finish(Operation.State.ROLLBACK_INCOMPLETE,
                           f"B failed ({failure}) and the rollback did not finish: {', '.join(undo_failed)} failed.")
     return run.finish(Operation.State.ROLLED_BACK, f"B failed ({failure}); A serves {source.name} again.")
+
+
+def _run_deploy_after(run: _Run) -> Operation:
+    description = run.operation.request
+    request = _request(description, description["name"])
+    done = []  # (action, deployment), to undo in reverse
+    failure = ""
+    for action in description["actions"]:
+        target = Deployment.objects.filter(name=action["target"], node=request.node,
+                                           state__in=(S.READY, S.SLEEPING)).first()
+        try:
+            if target is None:
+                raise BerthError(f"{action['target']} no longer runs there.", code="action_target_gone")
+            if action["kind"] == "sleep":
+                service.sleep(run.actor, target)
+                _wait(target, (S.SLEEPING,), STOP_TIMEOUT_SECONDS)
+            else:
+                service.stop(run.actor, target)
+                _wait(target, (S.STOPPED,), STOP_TIMEOUT_SECONDS)
+            run.step(f"{action['kind']} {action['target']}", "done")
+            done.append((action, target))
+        except BerthError as error:
+            run.step(f"{action['kind']} {action['target']}", "failed", error.message)
+            failure = error.message
+            break
+    if not failure:
+        try:
+            deployment = service.deploy(run.actor, request)
+            run.operation.target = deployment
+            run.operation.save(update_fields=["target"])
+            run.step("deploy", "done", f"{deployment.name} placed on {request.node.name}")
+            return run.finish(Operation.State.SUCCEEDED, f"{deployment.name} is deploying.")
+        except BerthError as error:
+            run.step("deploy", "failed", error.message)
+            failure = error.message
+    undo_failed = []
+    for action, target in reversed(done):
+        name = f"undo: {'wake' if action['kind'] == 'sleep' else 'start'} {target.name}"
+        try:
+            target = Deployment.objects.get(pk=target.pk)
+            if action["kind"] == "sleep":
+                service.wake(run.actor, target)
+            else:
+                service.start(run.actor, target)
+            _wait(target, (S.READY,), settings.SERVING_STARTUP_TIMEOUT_SECONDS + 60)
+            run.step(name, "done")
+        except BerthError as error:
+            run.step(name, "failed", error.message)
+            undo_failed.append(name.removeprefix("undo: "))
+    if undo_failed:
+        return run.finish(Operation.State.ROLLBACK_INCOMPLETE,
+                          f"The deploy failed ({failure}) and undoing did not finish: {', '.join(undo_failed)}.")
+    return run.finish(Operation.State.ROLLED_BACK, f"The deploy failed ({failure}); every action was undone.")
 
 
 class _Timeout(BerthError):

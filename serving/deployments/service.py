@@ -84,9 +84,19 @@ def _validate(request: DeployRequest) -> dict[str, Any]:
     return config
 
 
-def preview(request: DeployRequest, residents=()) -> memory.EstimateResult:
-    """Will it fit, and what is it made of — changes nothing (the wizard calls this as one types)."""
-    return _estimate(request, _validate(request), residents)
+def preview(request: DeployRequest) -> memory.EstimateResult:
+    """Will it fit, and what is it made of — changes nothing (the wizard calls this as one types).
+    When it does not, the plans may sleep or stop what already runs on the node, by name."""
+    return _estimate(request, _validate(request), residents(request.node))
+
+
+def residents(node: Node) -> list:
+    """The node's running deployments as the fit planner sees them."""
+    from scheduler.policy.fit import Resident
+
+    return [Resident(name=d.name, memory_bytes=d.memory_reserved_bytes or 0, priority=d.priority,
+                     can_sleep=d.engine == Deployment.Engine.VLLM, sleeping=d.state == S.SLEEPING)
+            for d in Deployment.objects.filter(node=node, state__in=(S.READY, S.SLEEPING, S.UNKNOWN))]
 
 
 def _estimate(request: DeployRequest, config: dict[str, Any], residents=()) -> memory.EstimateResult:

@@ -174,3 +174,26 @@ def test_deployment_page_reconfigures_and_lists_operations(client, personas, nod
     assert Operation.objects.get().kind == "reconfigure"
     page = client.get(url).content.decode()
     assert "Reconfigure" in page and "Running" in page
+
+
+def test_wizard_offers_a_plan_that_stops_a_resident_and_deploys_after_it(client, personas, model, no_agent,
+                                                                         monkeypatch, django_capture_on_commit_callbacks):
+    from scheduler.models import MemoryReservation
+    from serving import tasks
+    from serving.models import Operation
+
+    monkeypatch.setattr(tasks.run_operation, "delay", lambda operation_id: None)
+    snug = register_node(NodeReport(name="snug", address="127.0.0.1", cpu_count=2, memory_total_bytes=9 * 2**30,
+                                    memory_available_bytes=int(8.95 * 2**30)))
+    Deployment.objects.create(name="sitting", model_path="/m.gguf", node=snug, state="ready", priority=10,
+                              memory_reserved_bytes=2**30, owner=personas.acme.project)
+    MemoryReservation.objects.create(node=snug, holder="replica:sitting", bytes=int(0.99 * 2**30))
+    client.force_login(personas.max)
+    preview = client.post("/models/deploy/preview/", form(model, snug), HTTP_HX_REQUEST="true").content.decode()
+    assert "Does not fit" in preview and 'name="actions"' in preview and "stop sitting" in preview
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post("/models/deploy/", {**form(model, snug),
+                                                   "actions": '[{"kind": "stop", "target": "sitting"}]'})
+    assert response.status_code == 302
+    operation = Operation.objects.get()
+    assert operation.kind == "deploy" and operation.request["actions"] == [{"kind": "stop", "target": "sitting"}]

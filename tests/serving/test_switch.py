@@ -100,3 +100,55 @@ def test_only_a_serving_deployment_is_switched(db, model_root, tiny_model):
     with pytest.raises(DeploymentConflict, match="only a serving deployment"):
         operations.switch(ADMIN, a, service.DeployRequest(name="idle", model_path="/y.gguf", node=node))
     assert not Operation.objects.exists()
+
+
+def test_deploy_after_stopping_another_and_its_undo(agent, model_root, tiny_model, gguf_model):
+    from scheduler.models import MemoryReservation
+
+    a = ready_deployment(Path(shutil.copy(tiny_model, model_root / "a.gguf")), name="resident")
+    stop_a = [{"kind": "stop", "target": "resident"}]
+    missing = service.DeployRequest(name="newcomer", model_path=str(model_root / "missing.gguf"), node=a.node,
+                                    config={"context": 256})
+    # The deploy is refused after the stop: the stop is undone, A serves again.
+    operation = operations.run(str(operations.deploy_after(ADMIN, missing, stop_a).public_id))
+    assert operation.state == Operation.State.ROLLED_BACK, operation.steps
+    assert [(s["step"], s["status"]) for s in operation.steps] == [
+        ("stop resident", "done"), ("deploy", "failed"), ("undo: start resident", "done")]
+    a.refresh_from_db()
+    assert a.state == "ready" and not Deployment.objects.filter(name="newcomer").exists()
+
+    # When even the undo cannot happen (the memory went elsewhere meanwhile), the operation says which step.
+    request = service.DeployRequest(name="newcomer", model_path=str(Path(shutil.copy(
+        gguf_model("b.gguf", layers=3), model_root / "b.gguf"))), node=a.node, config={"context": 256})
+    hog = MemoryReservation.objects.create(node=a.node, holder="elsewhere", bytes=a.node.memory_total_bytes)
+    operation = operations.run(str(operations.deploy_after(ADMIN, request, stop_a).public_id))
+    assert operation.state == Operation.State.ROLLBACK_INCOMPLETE
+    assert "start resident" in operation.message
+    hog.delete()
+
+    # With the memory back, the same choice deploys.
+    service.start(ADMIN, Deployment.objects.get(pk=a.pk))
+    wait_until(lambda: Deployment.objects.filter(pk=a.pk, state="ready").exists(), 120, what="A ready again")
+    operation = operations.run(str(operations.deploy_after(ADMIN, request, stop_a).public_id))
+    assert operation.state == Operation.State.SUCCEEDED, operation.steps
+    a.refresh_from_db()
+    assert a.state == "stopped"
+    newcomer = Deployment.objects.get(name="newcomer")
+    wait_until(lambda: Deployment.objects.filter(pk=newcomer.pk, state="ready").exists(), 120, what="B ready")
+
+
+def test_preview_offers_to_stop_what_runs_when_it_does_not_fit(db, model_root, tiny_model):
+    from scheduler.services import NodeReport
+
+    node = register_node(NodeReport(name="snug", address="127.0.0.1", cpu_count=2, memory_total_bytes=9 * 2**30,
+                                    memory_available_bytes=int(8.95 * 2**30)))
+    from scheduler.models import MemoryReservation
+
+    Deployment.objects.create(name="sitting", model_path="/m.gguf", node=node, state="ready", priority=10,
+                              memory_reserved_bytes=2**30)
+    MemoryReservation.objects.create(node=node, holder="replica:sitting", bytes=int(0.99 * 2**30))
+    result = service.preview(service.DeployRequest(name="new", model_path=str(Path(shutil.copy(
+        tiny_model, model_root / "n.gguf"))), node=node, config={"context": 256}, priority=50))
+    assert not result.fit.fits
+    actions = [a for plan in result.fit.plans for a in plan.actions]
+    assert any(a.kind == "stop" and a.target == "sitting" for a in actions)
