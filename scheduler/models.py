@@ -223,3 +223,46 @@ class CalibrationRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model_name or self.model_key} on {self.engine} {self.engine_version} ({self.outcome})"
+
+
+class PlacementDecision(models.Model):
+    """One decision of the placement policy kept as evidence: a plan the reconciler applied, or a
+    dry run someone asked for (explain, headroom). History is bounded (``SCHEDULER_DECISION_HISTORY``)."""
+
+    class Kind(models.TextChoices):
+        PLAN = "plan", "Applied plan"
+        EXPLAIN = "explain", "Explain placement"
+        HEADROOM = "headroom", "Headroom"
+
+    class Verdict(models.TextChoices):
+        PLACED = "placed", "Placed"
+        PREEMPTED = "preempted", "Gave room"
+        EVICTED = "evicted", "Evicted"
+        UNSCHEDULABLE = "unschedulable", "Unschedulable"
+        PARKED = "parked", "Parked"
+        HELD = "held", "Held back"
+        BACKOFF = "backoff", "Backing off"
+        DRY_RUN = "dry-run", "Dry run"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.PLAN)
+    model = models.CharField(max_length=255, db_index=True, help_text="The catalog model the decision is about.")
+    verdict = models.CharField(max_length=16, choices=Verdict.choices)
+    reason_codes = models.JSONField(default=list)
+    detail = models.TextField(blank=True)
+    inputs_digest = models.CharField(max_length=32)
+    fingerprint = models.CharField(max_length=32, help_text="The plan's fingerprint: equal plans, equal prints.")
+    node = models.CharField(max_length=253, blank=True)
+    accelerators = models.JSONField(default=list)
+    victims = models.JSONField(default=list)
+    headroom_before_bytes = models.BigIntegerField(null=True, blank=True)
+    headroom_after_bytes = models.BigIntegerField(null=True, blank=True)
+    evidence = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["model", "-created_at"], name="decision_model_recent")]
+
+    def __str__(self) -> str:
+        return f"{self.model}: {self.verdict} ({', '.join(self.reason_codes)})"

@@ -6,6 +6,7 @@ app_name = "scheduler"
 urlpatterns = [
     path("", views.FleetView.as_view(), name="index"),
     path("estimate/", views.EstimateView.as_view(), name="estimate"),
+    path("placement/", views.PlacementView.as_view(), name="placement"),
     path("nodes/<uuid:public_id>/", views.NodeDetailView.as_view(), name="node"),
     path("nodes/<uuid:public_id>/<slug:verb>/", views.NodeActionView.as_view(), name="node-action"),
 ]

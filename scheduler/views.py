@@ -103,3 +103,24 @@ class EstimateView(LoginRequiredMixin, View):
         except BerthError as error:
             return {"error": error}
         return {"result": estimate_payload(result)}
+
+
+class PlacementView(LoginRequiredMixin, PageView):
+    """Placement decisions kept as evidence, with filters; the parked and unplaceable lists."""
+
+    template_name = "scheduler/placement.html"
+    fragment_template_name = "scheduler/placement_live.html"
+
+    def get_context_data(self, **kwargs):
+        from scheduler import placement_service
+        from scheduler.models import PlacementDecision
+
+        context = super().get_context_data(**kwargs)
+        filters = {k: self.request.GET.get(k, "").strip() for k in ("model", "verdict", "kind")}
+        rows = PlacementDecision.objects.all()
+        for field, value in filters.items():
+            if value:
+                rows = rows.filter(**{field: value})
+        context.update(filters=filters, decisions=rows[:200], lists=placement_service.parked_and_unplaceable(),
+                       verdicts=PlacementDecision.Verdict.choices, kinds=PlacementDecision.Kind.choices)
+        return context

@@ -1,7 +1,9 @@
 from rest_framework import serializers
 
 from scheduler.memory import ENGINES
-from scheduler.models import Accelerator, CalibrationRecord, HeldWeight, ModelDirectory, Node, NodeEngine
+from scheduler.models import (
+    Accelerator, CalibrationRecord, HeldWeight, ModelDirectory, Node, NodeEngine, PlacementDecision,
+)
 
 
 class NodeEngineSerializer(serializers.ModelSerializer):
@@ -83,3 +85,54 @@ class CalibrationRecordSerializer(serializers.ModelSerializer):
         if not obj.measured_bytes:
             return None
         return round((obj.estimated_bytes - obj.measured_bytes) * 100 / obj.measured_bytes, 2)
+
+
+class PlacementDecisionSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = PlacementDecision
+        fields = ["public_id", "kind", "model", "verdict", "reason_codes", "detail", "inputs_digest", "fingerprint",
+                  "node", "accelerators", "victims", "headroom_before_bytes", "headroom_after_bytes", "evidence",
+                  "created_at"]
+
+
+class PolicyProfileSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=64)
+    engine = serializers.ChoiceField(choices=["llamacpp", "vllm"], default="vllm")
+    gpus = serializers.IntegerField(min_value=0, max_value=64, default=1)
+    memory_gib = serializers.FloatField(min_value=0)
+    cpu_cores = serializers.IntegerField(min_value=0, default=0)
+    accelerator_class = serializers.CharField(max_length=128, required=False, default="", allow_blank=True)
+    node_selector = serializers.DictField(child=serializers.CharField(), required=False, default=dict)
+    priority = serializers.IntegerField(default=0)
+
+
+class PolicyModelSerializer(serializers.Serializer):
+    """A model's shape for a dry run: what Serving's catalog would hand the policy."""
+
+    model = serializers.CharField(max_length=255)
+    profiles = PolicyProfileSerializer(many=True)
+    min = serializers.IntegerField(min_value=0, default=1)
+    max = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    idle_timeout_s = serializers.IntegerField(min_value=0, default=900)
+    capacity_class = serializers.ChoiceField(choices=["", "critical", "standard", "opportunistic"], default="")
+    owner = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
+    limit = serializers.IntegerField(min_value=1, max_value=64, default=16)
+
+    def validate(self, data):
+        if not data["profiles"]:
+            raise serializers.ValidationError({"profiles": "At least one profile."})
+        if data.get("max") is not None and data["max"] < data["min"]:
+            raise serializers.ValidationError({"max": "max must be at least min."})
+        return data
+
+    def desired(self):
+        from scheduler.policy.inputs import GIB, DesiredModel, Profile, Scaling
+
+        data = self.validated_data
+        profiles = tuple(Profile(name=p["name"], engine=p["engine"], gpus=p["gpus"],
+                                 memory_bytes=int(p["memory_gib"] * GIB), cpu_cores=p["cpu_cores"],
+                                 accelerator_class=p["accelerator_class"], node_selector=p["node_selector"],
+                                 priority=p["priority"]) for p in data["profiles"])
+        return DesiredModel(data["model"], profiles, Scaling(min=data["min"], max=data.get("max"),
+                                                             idle_timeout_s=data["idle_timeout_s"]),
+                            capacity_class=data["capacity_class"], owner=data["owner"])

@@ -8,4 +8,11 @@ router = SimpleRouter()
 router.register("nodes", views.NodeViewSet, basename="node")
 router.register("accelerators", views.AcceleratorViewSet, basename="accelerator")
 router.register("calibrations", views.CalibrationRecordViewSet, basename="calibration")
-urlpatterns = [path("estimate/", views.EstimateView.as_view(), name="estimate"), *router.urls]
+router.register("decisions", views.PlacementDecisionViewSet, basename="decision")
+urlpatterns = [
+    path("estimate/", views.EstimateView.as_view(), name="estimate"),
+    path("placement/explain/", views.ExplainPlacementView.as_view(), name="explain"),
+    path("placement/headroom/", views.HeadroomView.as_view(), name="headroom"),
+    path("placement/parked/", views.ParkedUnplaceableView.as_view(), name="parked"),
+    *router.urls,
+]

@@ -9,7 +9,7 @@ from rest_framework.views import APIView
 from scheduler import memory, services
 from scheduler.api.serializers import (
     AcceleratorSerializer, CalibrationRecordSerializer, EstimateRequestSerializer, NodeActionSerializer,
-    NodeSerializer,
+    NodeSerializer, PlacementDecisionSerializer, PolicyModelSerializer,
 )
 from scheduler.filtersets import AcceleratorFilterSet, CalibrationRecordFilterSet, NodeFilterSet
 from scheduler.models import Accelerator, CalibrationRecord, ModelDirectory, Node
@@ -116,3 +116,66 @@ class CalibrationRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
         records = self.filter_queryset(self.get_queryset())
         count = memory.reset_calibration(records, audit.Actor.from_request(request))
         return Response({"deleted": count})
+
+
+# --- placement policy: decisions, explain, headroom ------------------------------------------------
+
+class PlacementDecisionViewSet(viewsets.ReadOnlyModelViewSet):
+    """Placement decisions kept as evidence; filter with ?model=, ?verdict=, ?kind=."""
+
+    serializer_class = PlacementDecisionSerializer
+    lookup_field = "public_id"
+    lookup_value_converter = "uuid"
+
+    def get_queryset(self):
+        from scheduler.models import PlacementDecision
+
+        rows = PlacementDecision.objects.all()
+        for field in ("model", "verdict", "kind"):
+            value = self.request.query_params.get(field)
+            if value:
+                rows = rows.filter(**{field: value})
+        return rows
+
+
+class _DryRunView(APIView):
+    def _model(self, request):
+        body = PolicyModelSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return body
+
+
+class ExplainPlacementView(_DryRunView):
+    """POST a model's shape: per profile and node, why its next replica would be rejected.
+    An always-running count (min) that placement cannot meet is said so, with the reason."""
+
+    def post(self, request):
+        from scheduler import placement_service
+        from scheduler.snapshot import current_snapshot
+
+        body = self._model(request)
+        model = body.desired()
+        answer = placement_service.explain_placement(current_snapshot((model,)), model.id)
+        return Response(answer)
+
+
+class HeadroomView(_DryRunView):
+    """POST a model's shape: how many more replicas fit, by a dry run on a copy."""
+
+    def post(self, request):
+        from scheduler import placement_service
+        from scheduler.snapshot import current_snapshot
+
+        body = self._model(request)
+        model = body.desired()
+        return Response(placement_service.headroom(current_snapshot((model,)), model.id,
+                                                   limit=body.validated_data["limit"]))
+
+
+class ParkedUnplaceableView(APIView):
+    """The models whose latest decision is parked or unschedulable, with why."""
+
+    def get(self, request):
+        from scheduler import placement_service
+
+        return Response(placement_service.parked_and_unplaceable())

@@ -1,0 +1,93 @@
+"""The placement policy's verbs with effects: decisions recorded as evidence, explain and headroom
+(dry runs, recorded too), the bounded history. The reconcile loop, API, console and commands call
+these; the policy itself (``scheduler.policy``) stays pure."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import transaction
+
+from scheduler.models import PlacementDecision
+from scheduler.policy import plan as policy
+from scheduler.policy.inputs import Plan, Snapshot
+from scheduler.policy.placement import Fleet
+
+HISTORY_DEFAULT = 10_000
+
+
+def _history_limit() -> int:
+    return int(getattr(settings, "SCHEDULER_DECISION_HISTORY", HISTORY_DEFAULT))
+
+
+def trim_history() -> int:
+    """Keep only the newest ``SCHEDULER_DECISION_HISTORY`` decisions."""
+    limit = _history_limit()
+    cutoff = PlacementDecision.objects.order_by("-created_at", "-id").values_list("id", flat=True)[limit:limit + 1]
+    cutoff = list(cutoff)
+    if not cutoff:
+        return 0
+    deleted, _ = PlacementDecision.objects.filter(id__lte=cutoff[0]).delete()
+    return deleted
+
+
+def record_plan(snapshot: Snapshot, plan: Plan) -> list[PlacementDecision]:
+    """Store one row per model the plan decides something about, with the inputs' digest, the
+    plan's fingerprint and the free memory before and after."""
+    digest, fingerprint = snapshot.digest(), plan.fingerprint()
+    before = Fleet(snapshot.nodes, snapshot.replicas).total_free_bytes()
+    after = Fleet(snapshot.nodes, policy.apply(snapshot, plan).replicas).total_free_bytes()
+    rows = [PlacementDecision(kind=PlacementDecision.Kind.PLAN, model=d.model, verdict=d.verdict,
+                              reason_codes=list(d.codes), detail=d.detail[:4000], inputs_digest=digest,
+                              fingerprint=fingerprint, node=d.node, accelerators=list(d.accelerators),
+                              victims=list(d.victims), headroom_before_bytes=before, headroom_after_bytes=after)
+            for d in plan.decisions]
+    with transaction.atomic():
+        created = PlacementDecision.objects.bulk_create(rows)
+        trim_history()
+    return created
+
+
+def explain_placement(snapshot: Snapshot, model_id: str, *, record: bool = True) -> dict:
+    """Per profile and node, why the model's next replica would be rejected (or that it fits)."""
+    rows = policy.explain(snapshot, model_id)
+    plan = policy.schedule(snapshot)
+    unschedulable = next((u for u in plan.unschedulable if u.model == model_id), None)
+    answer = {"model": model_id, "rows": rows, "fits_somewhere": any(r["fits"] for r in rows),
+              "pending": {"reason": unschedulable.reason, "code": unschedulable.code} if unschedulable else None}
+    if record:
+        codes = sorted({r["code"] or "fits" for r in rows}) or ["unknown-model"]
+        _dry_run(snapshot, plan, PlacementDecision.Kind.EXPLAIN, model_id, codes,
+                 detail=(unschedulable.reason if unschedulable else f"{sum(r['fits'] for r in rows)} spot(s) fit"),
+                 evidence={"rows": rows[:500]})
+    return answer
+
+
+def headroom(snapshot: Snapshot, model_id: str, *, limit: int = 16, record: bool = True) -> dict:
+    """How many more replicas of the model fit, by a dry run on a copy of the inventory."""
+    answer = policy.headroom(snapshot, model_id, limit=limit)
+    if record:
+        plan = policy.schedule(snapshot)
+        _dry_run(snapshot, plan, PlacementDecision.Kind.HEADROOM, model_id, ["headroom"],
+                 detail=f"{answer['more']} more; {answer.get('blocked', '')}", evidence=answer,
+                 before=answer.get("free_bytes_before"), after=answer.get("free_bytes_after"))
+    return answer
+
+
+def _dry_run(snapshot, plan, kind, model_id, codes, *, detail="", evidence=None, before=None, after=None):
+    with transaction.atomic():
+        row = PlacementDecision.objects.create(
+            kind=kind, model=model_id, verdict=PlacementDecision.Verdict.DRY_RUN, reason_codes=codes,
+            detail=detail[:4000], inputs_digest=snapshot.digest(), fingerprint=plan.fingerprint(),
+            headroom_before_bytes=before, headroom_after_bytes=after, evidence=evidence or {})
+        trim_history()
+    return row
+
+
+def parked_and_unplaceable(limit: int = 200) -> dict:
+    """The latest verdict per model among parked and unschedulable ones (from the evidence rows)."""
+    rows = (PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN)
+            .order_by("model", "-created_at", "-id").distinct("model")
+            .values("model", "verdict", "detail", "reason_codes", "created_at"))[:limit * 4]
+    parked = [r for r in rows if r["verdict"] == PlacementDecision.Verdict.PARKED][:limit]
+    unplaceable = [r for r in rows if r["verdict"] == PlacementDecision.Verdict.UNSCHEDULABLE][:limit]
+    return {"parked": parked, "unplaceable": unplaceable}

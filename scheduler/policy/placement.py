@@ -1,0 +1,239 @@
+"""Where one replica goes: filters with reasons a person can read, then an order among the rest.
+
+Filters per node (and accelerator): node state, engine installed and ready, label selectors,
+accelerator class, MIG rules, free memory / accelerators / cores (what replicas reserve, not
+guesses), disk only when the node lacks the weights. Order: spread replicas of one model across
+nodes (a preference, dropped only when it is the sole obstacle because it is only an order), nodes
+holding the weights first, then bin-packing for GPU profiles (least memory left over on the chosen
+accelerators — best fit — then fewest accelerators that still fit) or fewest replicas for CPU profiles, then the node's name.
+
+:class:`Fleet` is the mutable working copy of the inventory a pass (or a dry run) plays on;
+``copy()`` is what preemption and headroom dry-run on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from scheduler.policy.inputs import GIB, DesiredModel, NodeInfo, Profile, ReplicaInfo
+
+
+def gib(value: int | float) -> str:
+    return f"{value / GIB:,.1f} GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Spot:
+    node: str
+    accelerators: tuple[str, ...]
+    memory_bytes: int
+    cpu_cores: int
+    key: tuple = ()
+
+
+class Fleet:
+    """Free memory per accelerator, RAM and cores per node, replicas per node and model."""
+
+    def __init__(self, nodes: Iterable[NodeInfo], replicas: Iterable[ReplicaInfo] = ()):
+        self.nodes: dict[str, NodeInfo] = {n.name: n for n in sorted(nodes, key=lambda n: n.name)}
+        self.acc_node: dict[str, str] = {}
+        self.acc_info = {}
+        self.free_acc: dict[str, int] = {}
+        self.mig_used: set[str] = set()
+        self.free_ram: dict[str, int | None] = {}
+        self.free_cores: dict[str, int | None] = {}
+        for node in self.nodes.values():
+            self.free_ram[node.name] = node.memory_bytes
+            self.free_cores[node.name] = node.cpu_count
+            for acc in node.accelerators:
+                self.acc_node[acc.id] = node.name
+                self.acc_info[acc.id] = acc
+                if acc.memory_bytes is not None:
+                    self.free_acc[acc.id] = acc.memory_bytes
+        self.on_node: dict[tuple[str, str], int] = {}
+        self.count_on_node: dict[str, int] = {}
+        self.replicas: dict[str, ReplicaInfo] = {}
+        for replica in replicas:
+            self.add(replica)
+
+    def copy(self) -> "Fleet":
+        clone = Fleet.__new__(Fleet)
+        clone.nodes, clone.acc_node, clone.acc_info = self.nodes, self.acc_node, self.acc_info
+        clone.free_acc = dict(self.free_acc)
+        clone.mig_used = set(self.mig_used)
+        clone.free_ram, clone.free_cores = dict(self.free_ram), dict(self.free_cores)
+        clone.on_node, clone.count_on_node = dict(self.on_node), dict(self.count_on_node)
+        clone.replicas = dict(self.replicas)
+        return clone
+
+    def _apply(self, replica: ReplicaInfo, sign: int) -> None:
+        node = replica.node
+        if replica.accelerators:
+            for acc in replica.accelerators:
+                if acc in self.free_acc:
+                    self.free_acc[acc] -= sign * replica.memory_bytes
+                if self.acc_info.get(acc) is not None and self.acc_info[acc].mig:
+                    (self.mig_used.add if sign > 0 else self.mig_used.discard)(acc)
+        elif self.free_ram.get(node) is not None:
+            self.free_ram[node] -= sign * replica.memory_bytes
+        if replica.cpu_cores and self.free_cores.get(node) is not None:
+            self.free_cores[node] -= sign * replica.cpu_cores
+        key = (node, replica.model)
+        self.on_node[key] = self.on_node.get(key, 0) + sign
+        self.count_on_node[node] = self.count_on_node.get(node, 0) + sign
+
+    def add(self, replica: ReplicaInfo) -> None:
+        self.replicas[replica.id] = replica
+        self._apply(replica, +1)
+
+    def remove(self, replica_id: str) -> ReplicaInfo:
+        replica = self.replicas.pop(replica_id)
+        self._apply(replica, -1)
+        return replica
+
+    def total_free_bytes(self) -> int:
+        return sum(v for v in self.free_acc.values() if v > 0) + sum(v for v in self.free_ram.values() if v and v > 0)
+
+
+# --- filters -------------------------------------------------------------------------------------
+
+def static_reason(node: NodeInfo, profile: Profile) -> str:
+    """Why this node can never take this profile as it stands (state, engine, labels, class), or ''."""
+    if node.state != "ready":
+        return f"{node.name} is {node.state}: no new work goes there"
+    if profile.engine not in node.engines:
+        if profile.engine in node.engines_installing:
+            return f"{node.name} is still installing {profile.engine}"
+        return f"{node.name} has no {profile.engine} engine ready"
+    for label, value in sorted(profile.node_selector.items()):
+        if node.labels.get(label) != value:
+            return f"{node.name} lacks the label {label}={value}"
+    if profile.on_gpu:
+        usable = _class_accelerators(node, profile)
+        if not usable and profile.gpus > 1 and any(a.mig and a.placeable for a in node.accelerators):
+            return (f"{node.name} has only MIG instances, which cannot take shards of a {profile.gpus}-way "
+                    f"tensor-parallel replica (needs {profile.gpus} whole accelerators on one node)")
+        if not usable:
+            wanted = profile.accelerator_class or "any class"
+            return f"{node.name} has no placeable accelerator of {wanted}"
+        if len(usable) < profile.gpus:
+            return (f"{node.name} has {len(usable)} placeable accelerator(s) of "
+                    f"{profile.accelerator_class or 'any class'}, needs {profile.gpus} on one node")
+    return ""
+
+
+def _class_accelerators(node: NodeInfo, profile: Profile):
+    found = []
+    for acc in node.accelerators:
+        if not acc.placeable or acc.memory_bytes is None:
+            continue
+        if profile.accelerator_class and acc.accelerator_class != profile.accelerator_class:
+            continue
+        if acc.mig and (profile.gpus != 1 or not profile.allow_mig):
+            continue  # a MIG instance takes one single-accelerator replica, never a tensor-parallel shard
+        found.append(acc)
+    return found
+
+
+def accelerator_reasons(node: NodeInfo, profile: Profile) -> list[str]:
+    """Per accelerator that was filtered out statically, why (for explain)."""
+    reasons = []
+    for acc in node.accelerators:
+        where = f"{node.name} #{acc.index}{' (MIG)' if acc.mig else ''}"
+        if not acc.placeable:
+            reasons.append(f"{where}: {acc.unplaceable_reason or 'not placeable'}")
+        elif acc.memory_bytes is None:
+            reasons.append(f"{where}: memory total never measured")
+        elif profile.accelerator_class and acc.accelerator_class != profile.accelerator_class:
+            reasons.append(f"{where}: class {acc.accelerator_class or 'unknown'}, needs {profile.accelerator_class}")
+        elif acc.mig and profile.gpus != 1:
+            reasons.append(f"{where}: a MIG instance cannot take a shard of a {profile.gpus}-way tensor-parallel replica")
+        elif acc.mig and not profile.allow_mig:
+            reasons.append(f"{where}: the profile does not run on MIG instances")
+    return reasons
+
+
+class Placer:
+    """Places replicas on a :class:`Fleet`; static filter results are cached per pass."""
+
+    def __init__(self):
+        self._static: dict[tuple[str, int], str] = {}
+        self._usable: dict[tuple[str, int], list] = {}
+
+    def _static_for(self, node: NodeInfo, profile: Profile) -> str:
+        key = (node.name, id(profile))
+        reason = self._static.get(key)
+        if reason is None:
+            reason = static_reason(node, profile)
+            self._static[key] = reason
+            if not reason and profile.on_gpu:
+                self._usable[key] = [a.id for a in _class_accelerators(node, profile)]
+        return reason
+
+    def dynamic_reason(self, fleet: Fleet, node: NodeInfo, model: DesiredModel, profile: Profile,
+                       extra_bytes: int = 0) -> tuple[str, Spot | None]:
+        name = node.name
+        need = profile.memory_bytes + extra_bytes
+        if profile.cpu_cores:
+            free_cores = fleet.free_cores.get(name)
+            if free_cores is not None and free_cores < profile.cpu_cores:
+                return (f"{name} has {node.cpu_count} CPUs with {max(free_cores, 0)} free, needs {profile.cpu_cores}",
+                        None)
+        holds = bool(model.weights_key) and model.weights_key in node.weights
+        if profile.min_disk_bytes and not holds and node.disk_free_bytes is not None \
+                and node.disk_free_bytes < profile.min_disk_bytes:
+            return (f"{name} has {gib(node.disk_free_bytes)} of disk free, needs {gib(profile.min_disk_bytes)} "
+                    f"to fetch the weights", None)
+        spread = fleet.on_node.get((name, model.id), 0)
+        if profile.on_gpu:
+            free_acc, mig_used, info = fleet.free_acc, fleet.mig_used, fleet.acc_info
+            fitting = [(free_acc[a], info[a].index, a) for a in self._usable[(name, id(profile))]
+                       if free_acc[a] >= need and a not in mig_used]
+            if len(fitting) < profile.gpus:
+                return (f"{name} has {len(fitting)} accelerator(s) with {gib(need)} free, needs {profile.gpus}", None)
+            fitting.sort()
+            chosen = fitting[:profile.gpus]
+            left = sum(f for f, _, _ in chosen) - need * profile.gpus
+            key = (spread, not holds, left, len(fitting), name)
+            return "", Spot(name, tuple(a for _, _, a in chosen), need, profile.cpu_cores, key)
+        free_ram = fleet.free_ram.get(name)
+        if free_ram is not None and free_ram < need:
+            return f"{name} has {gib(max(free_ram, 0))} of memory free, needs {gib(need)}", None
+        key = (spread, not holds, fleet.count_on_node.get(name, 0), name)
+        return "", Spot(name, (), need, profile.cpu_cores, key)
+
+    def best_spot(self, fleet: Fleet, model: DesiredModel, profile: Profile, extra_bytes: int = 0,
+                  reasons: list | None = None) -> Spot | None:
+        best = None
+        for node in fleet.nodes.values():
+            reason = self._static_for(node, profile)
+            if reason:
+                if reasons is not None:
+                    reasons.append((profile.name, node.name, reason))
+                continue
+            reason, spot = self.dynamic_reason(fleet, node, model, profile, extra_bytes)
+            if spot is None:
+                if reasons is not None:
+                    reasons.append((profile.name, node.name, reason))
+                continue
+            if best is None or spot.key < best.key:
+                best = spot
+        return best
+
+
+def ordered_profiles(model: DesiredModel) -> list[Profile]:
+    """By priority (the operator wins), then measured tokens/s per accelerator or core, measured
+    before unmeasured, then catalog order."""
+    def per_unit(p: Profile) -> float:
+        units = p.gpus if p.on_gpu else max(p.cpu_cores, 1)
+        return p.tokens_per_s / units
+
+    indexed = list(enumerate(model.profiles))
+    indexed.sort(key=lambda item: (-item[1].priority, item[1].tokens_per_s is None,
+                                   -(per_unit(item[1]) if item[1].tokens_per_s is not None else 0), item[0]))
+    return [p for _, p in indexed]
+
+
+def draft_bytes(model: DesiredModel) -> int:
+    return model.draft.memory_bytes if model.draft is not None else 0

@@ -1,0 +1,319 @@
+"""``schedule(snapshot) -> Plan``: the placement policy's one entry point.
+
+Deterministic and idempotent: a converged state yields an empty plan, and applying a plan
+(launches become starting replicas, evictions disappear, holds are carried) then scheduling again
+yields nothing new. Steps: recovery and parking; desired counts; evictions of what is not desired
+or surplus (never pinned or active replicas); placement of what is missing in tiers — pinned, below
+minimum, the rest — with a cost-aware packer; preemption for pinned and below-minimum demands that
+did not fit; a last fill; unschedulable models with their first reason; evidence per model.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from scheduler.policy import preemption, recovery
+from scheduler.policy.inputs import (
+    Decision, DesiredModel, Eviction, Hold, Launch, Plan, ReplicaInfo, Snapshot, Unschedulable,
+)
+from scheduler.policy.placement import Fleet, Placer, draft_bytes, ordered_profiles
+from scheduler.policy.quotas import Quotas, need_of
+from scheduler.policy.residency import Demand, Placed, commit, desired_count, pack, surplus, try_place
+
+
+def _protected(models: dict[str, DesiredModel]):
+    def check(replica: ReplicaInfo) -> bool:
+        model = models.get(replica.model)
+        return replica.pinned or replica.active_requests > 0 or bool(model and model.pinned)
+    return check
+
+
+def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
+    now, settings = snapshot.now, snapshot.settings
+    models = {m.id: m for m in sorted(snapshot.models, key=lambda m: m.id)}
+    replicas = sorted(snapshot.replicas, key=lambda r: r.id)
+    by_model: dict[str, list[ReplicaInfo]] = {}
+    for replica in replicas:
+        by_model.setdefault(replica.model, []).append(replica)
+    protected = _protected(models)
+    fleet = Fleet(snapshot.nodes, replicas)
+    quotas = Quotas(snapshot.contracts, {m.id: m.owner for m in models.values()}, replicas)
+    placer = Placer()
+    decisions: list[Decision] = []
+    evictions: list[Eviction] = []
+    unschedulable: list[Unschedulable] = []
+
+    desired: dict[str, int] = {}
+    bases: dict[str, int] = {}
+    for model in models.values():
+        desired[model.id], bases[model.id], _ = desired_count(model, by_model.get(model.id, []), now)
+
+    def ready_count(model_id: str) -> int:
+        return sum(1 for r in by_model.get(model_id, []) if r.ready_since is not None)
+
+    holds = {}
+    for hold in sorted(snapshot.holds, key=lambda h: (h.model, h.until)):
+        satisfied = hold.beneficiary in desired and ready_count(hold.beneficiary) >= desired[hold.beneficiary]
+        if hold.until > now and not satisfied:
+            holds[hold.model] = hold
+
+    # 1. Evictions: replicas of models no longer desired, and surplus above the desired count.
+    for model_id in sorted(by_model):
+        mine = by_model[model_id]
+        model = models.get(model_id)
+        if model is None:
+            victims = [r for r in mine if not protected(r)]
+            reason = "not-desired"
+        else:
+            idle = model.scaling.on_demand and bases[model_id] == 0
+            victims = surplus(mine, desired[model_id], now, protected=protected,
+                              idle_only_after=model.scaling.idle_timeout_s if idle else None)
+            reason = "idle" if idle else "surplus"
+        for victim in victims:
+            fleet.remove(victim.id)
+            quotas.remove(victim)
+            evictions.append(Eviction(replica=victim.id, model=model_id, reason=reason))
+        if victims:
+            decisions.append(Decision(model=model_id, verdict="evicted", codes=(reason,),
+                                      victims=tuple(v.id for v in victims),
+                                      detail=f"{len(victims)} replica(s) stopped: {reason}"))
+
+    # 2. Demands: what is missing, unless parked, held back or backing off.
+    demands: list[Demand] = []
+    for model in models.values():
+        if only is not None and model.id not in only:
+            continue
+        missing = desired[model.id] - len(by_model.get(model.id, []))
+        if missing <= 0:
+            continue
+        step = recovery.next_step(model, snapshot.failures.get(model.id), settings)
+        if step.parked:
+            unschedulable.append(Unschedulable(model.id, step.reason, "parked", missing))
+            decisions.append(Decision(model.id, "parked", ("parked",), detail=step.reason))
+            continue
+        if model.id in holds:
+            hold = holds[model.id]
+            why = f"held back until {hold.until:.0f} after giving room to {hold.beneficiary}"
+            unschedulable.append(Unschedulable(model.id, why, "held", missing))
+            decisions.append(Decision(model.id, "held", ("held",), detail=why))
+            continue
+        if step.not_before is not None and step.not_before > now:
+            why = f"backing off after a {snapshot.failures[model.id].kind} until {step.not_before:.0f}"
+            unschedulable.append(Unschedulable(model.id, why, "backoff", missing))
+            decisions.append(Decision(model.id, "backoff", ("backoff",), detail=why))
+            continue
+        source, serves_for = model, ""
+        if step.fallback:
+            substitute = next((models[f] for f in model.fallbacks if f in models), None)
+            if substitute is not None:
+                source, serves_for = substitute, substitute.id
+        profiles = tuple(ordered_profiles(source))
+        have = len(by_model.get(model.id, []))
+        for slot in range(missing):
+            index = have + slot
+            if model.pinned:
+                tier, why = 0, "pinned"
+            elif index < bases[model.id]:
+                tier, why = 1, ("on-demand" if model.scaling.on_demand else "minimum")
+            else:
+                tier, why = 2, "load" if model.extra else "desired"
+            demands.append(Demand(model=model, slot=index, tier=tier, reason=why, profiles=profiles,
+                                  extra_bytes=draft_bytes(source), level=step.level, serves_for=serves_for,
+                                  draft=source.draft.model if source.draft else ""))
+
+    # 3. Placement, tier by tier, with the cost-aware packer.
+    placed: list[Placed] = []
+    unplaced: list[Demand] = []
+    exhaustive = len(demands) <= settings.exhaustive_packing_limit
+    for tier in (0, 1, 2):
+        batch = [d for d in demands if d.tier == tier]
+        if not batch:
+            continue
+        done, left, fleet, quotas = pack(batch, fleet, quotas, placer, now, exhaustive=exhaustive)
+        placed.extend(done)
+        unplaced.extend(left)
+
+    # 4. Preemption for pinned and below-minimum demands that did not fit.
+    new_holds: list[Hold] = []
+    victims_of: dict[tuple, list[str]] = {}
+    borrowed = quotas.borrowed(fleet.replicas.values()) if quotas.governed else set()
+    progress = True
+    while progress:
+        progress = False
+        for demand in sorted([d for d in unplaced if d.tier <= 1],
+                             key=lambda d: (-d.model.rank, d.tier, -d.value, d.key)):
+            model = demand.model
+            need = need_of(demand.profiles[0], demand.extra_bytes) if demand.profiles else (0, 0, 0)
+            below_min = demand.slot < max(model.scaling.min, 1 if model.pinned else 0)
+            pool = preemption.candidates(model, below_min, need, fleet, models, desired, quotas, now, settings,
+                                         borrowed, protected, room_for_on_demand=demand.reason == "on-demand")
+            if not pool:
+                continue
+            quota_base = quotas
+
+            def fits(trial: Fleet) -> bool:
+                for profile in demand.profiles:
+                    if placer.best_spot(trial, model, profile, demand.extra_bytes) is not None:
+                        return True
+                return False
+
+            chosen, trial = preemption.choose(pool, fleet, fits, settings.max_victims)
+            if trial is None:
+                continue
+            trial_quotas = quota_base.copy()
+            for c in chosen:
+                trial_quotas.remove(c.replica)
+            profile, spot, _ = try_place(demand, trial, trial_quotas, placer)
+            if spot is None:
+                continue
+            fleet, quotas = trial, trial_quotas
+            for c in chosen:
+                victim_model = models[c.replica.model]
+                evictions.append(Eviction(replica=c.replica.id, model=c.replica.model, reason="preempted",
+                                          grace_s=settings.preempt_grace_s, beneficiary=model.id, tier=c.tier))
+                new_holds.append(Hold(model=victim_model.id, until=now + settings.preempt_hold_s,
+                                      beneficiary=model.id))
+                decisions.append(Decision(victim_model.id, "preempted", (f"preempted-tier-{c.tier}",),
+                                          node=c.replica.node, accelerators=c.replica.accelerators,
+                                          victims=(c.replica.id,), detail=f"gave room to {model.id}"))
+            placed.append(commit(demand, profile, spot, fleet, quotas, now))
+            victims_of[demand.key] = [c.replica.id for c in chosen]
+            unplaced.remove(demand)
+            progress = True
+            break  # the fleet changed: recompute candidates from the top
+
+    # 5. A last fill: what preemption freed may fit others now.
+    while unplaced:
+        changed = False
+        for demand in sorted(unplaced, key=lambda d: (d.tier, -d.value, d.key)):
+            profile, spot, _ = try_place(demand, fleet, quotas, placer)
+            if spot is not None:
+                placed.append(commit(demand, profile, spot, fleet, quotas, now))
+                unplaced.remove(demand)
+                changed = True
+        if not changed:
+            break
+
+    launches = []
+    for p in sorted(placed, key=lambda p: p.demand.key):
+        d = p.demand
+        launches.append(Launch(model=d.model.id, profile=p.profile.name, node=p.spot.node,
+                               accelerators=p.spot.accelerators, memory_bytes=p.spot.memory_bytes,
+                               cpu_cores=p.spot.cpu_cores, level=d.level, serves_for=d.serves_for, draft=d.draft,
+                               reason=d.reason, beneficiary_of=tuple(victims_of.get(d.key, ()))))
+        codes = (d.reason,) + (("preemption",) if d.key in victims_of else ())
+        decisions.append(Decision(d.model.id, "placed", codes, node=p.spot.node, accelerators=p.spot.accelerators,
+                                  victims=tuple(victims_of.get(d.key, ())),
+                                  detail=f"profile {p.profile.name} on {p.spot.node}"))
+
+    missing_by_model: dict[str, list[Demand]] = {}
+    for demand in unplaced:
+        missing_by_model.setdefault(demand.model.id, []).append(demand)
+    for model_id in sorted(missing_by_model):
+        group = missing_by_model[model_id]
+        reason, code = first_reason(group[0], fleet, quotas, placer)
+        unschedulable.append(Unschedulable(model_id, reason, code, len(group)))
+        decisions.append(Decision(model_id, "unschedulable", (code,), detail=reason))
+
+    all_holds = tuple(sorted(set(holds.values()) | set(new_holds), key=lambda h: (h.model, h.until, h.beneficiary)))
+    return Plan(launches=tuple(launches), evictions=tuple(sorted(evictions, key=lambda e: e.replica)),
+                unschedulable=tuple(sorted(unschedulable, key=lambda u: u.model)), holds=all_holds,
+                decisions=tuple(sorted(decisions, key=lambda d: (d.model, d.verdict, d.node, d.victims))),
+                inputs_digest="")
+
+
+def first_reason(demand: Demand, fleet: Fleet, quotas: Quotas, placer: Placer) -> tuple[str, str]:
+    if not demand.profiles:
+        return "the model has no profile", "no-profile"
+    for profile in demand.profiles:
+        refusal = quotas.refusal(demand.model.owner, need_of(profile, demand.extra_bytes)) if quotas.governed else ""
+        if refusal:
+            return refusal, "quota"
+    reasons: list = []
+    placer.best_spot(fleet, demand.model, demand.profiles[0], demand.extra_bytes, reasons)
+    if not reasons:
+        return "no node in the fleet", "no-nodes"
+    profile, node, text = reasons[0]
+    return f"fits nowhere ({len(reasons)} rejections); first: profile {profile}: {text}", "no-fit"
+
+
+# --- explain and headroom (dry runs; nothing here changes anything) ----------------------------------
+
+def explain(snapshot: Snapshot, model_id: str) -> list[dict]:
+    """Per profile and node, why the model's next replica would be rejected there (or that it fits)."""
+    model = next((m for m in snapshot.models if m.id == model_id), None)
+    if model is None:
+        return []
+    plan = schedule(snapshot)  # the state the next replica would meet: this pass applied
+    fleet = apply_to_fleet(snapshot, plan)
+    quotas = Quotas(snapshot.contracts, {m.id: m.owner for m in snapshot.models}, fleet.replicas.values())
+    placer = Placer()
+    rows = []
+    for profile in ordered_profiles(model):
+        refusal = quotas.refusal(model.owner, need_of(profile, draft_bytes(model))) if quotas.governed else ""
+        for node in fleet.nodes.values():
+            if refusal:
+                rows.append({"profile": profile.name, "node": node.name, "fits": False, "reason": refusal,
+                             "code": "quota"})
+                continue
+            reason = placer._static_for(node, profile)
+            if not reason:
+                reason, _ = placer.dynamic_reason(fleet, node, model, profile, draft_bytes(model))
+            rows.append({"profile": profile.name, "node": node.name, "fits": not reason,
+                         "reason": reason or "fits", "code": "" if not reason else "rejected"})
+    return rows
+
+
+def apply_to_fleet(snapshot: Snapshot, plan: Plan) -> Fleet:
+    replicas = apply(snapshot, plan).replicas
+    return Fleet(snapshot.nodes, replicas)
+
+
+def apply(snapshot: Snapshot, plan: Plan) -> Snapshot:
+    """The snapshot after a plan is applied as Serving would: evictions gone, launches starting."""
+    import dataclasses
+    gone = {e.replica for e in plan.evictions}
+    kept = [r for r in snapshot.replicas if r.id not in gone]
+    counts: dict[str, int] = {}
+    for r in kept:
+        counts[r.model] = counts.get(r.model, 0) + 1
+    models = {m.id: m for m in snapshot.models}
+    for launch in plan.launches:
+        model = models.get(launch.model)
+        kept.append(ReplicaInfo(id=f"r:{launch.model}:{launch.node}:{','.join(launch.accelerators)}:{len(kept)}",
+                                model=launch.model, profile=launch.profile, node=launch.node,
+                                accelerators=launch.accelerators, memory_bytes=launch.memory_bytes,
+                                cpu_cores=launch.cpu_cores, state="starting", pinned=bool(model and model.pinned),
+                                created_at=snapshot.now, fingerprint=model.fingerprint if model else ""))
+    return dataclasses.replace(snapshot, replicas=tuple(kept), holds=plan.holds)
+
+
+def headroom(snapshot: Snapshot, model_id: str, limit: int = 16) -> dict:
+    """How many more replicas of the model fit, dry-running on a copy (no preemption); stops at a
+    quota limit and says so."""
+    limit = max(1, min(limit, 64))
+    model = next((m for m in snapshot.models if m.id == model_id), None)
+    if model is None:
+        return {"model": model_id, "more": 0, "blocked": "not in the catalog"}
+    plan = schedule(snapshot)
+    fleet = apply_to_fleet(snapshot, plan)
+    quotas = Quotas(snapshot.contracts, {m.id: m.owner for m in snapshot.models}, fleet.replicas.values())
+    placer = Placer()
+    demand = Demand(model=model, slot=10_000, tier=2, reason="headroom", profiles=tuple(ordered_profiles(model)),
+                    extra_bytes=draft_bytes(model))
+    more, blocked, where = 0, "", []
+    while more < limit:
+        profile, spot, refusal = try_place(demand, fleet, quotas, placer)
+        if spot is None:
+            blocked = refusal or first_reason(demand, fleet, quotas, placer)[0]
+            break
+        commit(demand, profile, spot, fleet, quotas, snapshot.now)
+        demand = Demand(model=model, slot=demand.slot + 1, tier=2, reason="headroom", profiles=demand.profiles,
+                        extra_bytes=demand.extra_bytes)
+        where.append(spot.node)
+        more += 1
+    if more >= limit and not blocked:
+        blocked = f"stopped counting at {limit}"
+    return {"model": model_id, "more": more, "blocked": blocked, "nodes": where,
+            "free_bytes_before": Fleet(snapshot.nodes, apply(snapshot, plan).replicas).total_free_bytes(),
+            "free_bytes_after": fleet.total_free_bytes()}

@@ -1,0 +1,90 @@
+"""The recovery ladder for failed launches, parking, and when a placement failure is worth a log line.
+
+A graded ladder that never retries unchanged what cannot succeed: a crash is retried with
+exponential backoff a bounded number of times; out of memory relaunches degraded, then falls back
+to a configured smaller model, then quarantines; a hang gets one retry, then degrades, then falls
+back. Severity never decreases as failures grow, and after ``park_after`` consecutive failures the
+model is parked until its definition changes or an operator retries it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scheduler.policy.inputs import DesiredModel, FailureState, Settings
+
+RETRY, DEGRADE, FALLBACK, QUARANTINE = "retry", "degrade", "fallback", "quarantine"
+SEVERITY = {RETRY: 0, DEGRADE: 1, FALLBACK: 2, QUARANTINE: 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    action: str  # retry / degrade / fallback / quarantine; "" nothing to recover from
+    level: int = 0  # launch level: 0 full, 1 degraded
+    fallback: bool = False
+    not_before: float | None = None  # backoff: no launch before this time
+    parked: bool = False
+    reason: str = ""
+
+
+def ladder(kind: str, consecutive: int, settings: Settings = Settings()) -> str:
+    if consecutive <= 0 or not kind:
+        return ""
+    if kind == "oom":
+        return (DEGRADE, FALLBACK)[consecutive - 1] if consecutive <= 2 else QUARANTINE
+    if kind == "hang":
+        return (RETRY, DEGRADE, FALLBACK)[consecutive - 1] if consecutive <= 3 else QUARANTINE
+    return RETRY if consecutive <= settings.crash_retries else QUARANTINE
+
+
+def backoff(consecutive: int, settings: Settings = Settings()) -> float:
+    return min(settings.max_backoff_s, settings.base_backoff_s * 2 ** max(0, consecutive - 1))
+
+
+def next_step(model: DesiredModel, failure: FailureState | None, settings: Settings = Settings()) -> Step:
+    """What to do about ``model`` given its failure memory. A parked model whose definition has
+    changed (a new fingerprint) is no longer parked: the caller resets its failure state."""
+    if failure is None or (failure.consecutive <= 0 and not failure.parked):
+        return Step("")
+    if failure.parked and (not model.fingerprint or failure.parked_fingerprint == model.fingerprint):
+        return Step(QUARANTINE, parked=True, reason=f"parked after {failure.consecutive} failures: "
+                                                     f"{failure.last_error or failure.kind}")
+    if failure.parked:
+        return Step("")  # the definition changed: unparked
+    if failure.consecutive >= settings.park_after:
+        return Step(QUARANTINE, parked=True, reason=f"{failure.consecutive} failures in a row: "
+                                                     f"{failure.last_error or failure.kind}")
+    action = ladder(failure.kind, failure.consecutive, settings)
+    if action == FALLBACK and not model.fallbacks:
+        action = QUARANTINE
+    if action == QUARANTINE:
+        return Step(QUARANTINE, parked=True, reason=f"quarantined after {failure.kind}: {failure.last_error}".rstrip(": "))
+    not_before = None
+    if failure.last_failure_at is not None:
+        not_before = failure.last_failure_at + backoff(failure.consecutive, settings)
+    level = max(failure.level, 1 if action in (DEGRADE, FALLBACK) else 0)
+    return Step(action, level=level, fallback=action == FALLBACK, not_before=not_before)
+
+
+def record_failure(state: FailureState | None, kind: str, at: float, error: str = "",
+                   settings: Settings = Settings(), fingerprint: str = "") -> FailureState:
+    """The failure memory after one more failed launch (Serving stores it)."""
+    state = state or FailureState()
+    consecutive = state.consecutive + 1
+    action = ladder(kind, consecutive, settings)
+    level = max(state.level, SEVERITY.get(action, 0) if action in (DEGRADE, FALLBACK) else state.level)
+    parked = consecutive >= settings.park_after or action == QUARANTINE
+    return FailureState(kind=kind, consecutive=consecutive, last_failure_at=at, level=min(level, 2), parked=parked,
+                        parked_fingerprint=fingerprint if parked else "", last_error=error[:500])
+
+
+def record_success() -> FailureState:
+    return FailureState()
+
+
+def should_log(previous_reason: str | None, previous_at: float | None, reason: str, now: float,
+               repeat_s: float = 600) -> bool:
+    """Log an unplaceable reason only when it changes, or every ``repeat_s`` seconds."""
+    if previous_reason != reason or previous_at is None:
+        return True
+    return now - previous_at >= repeat_s

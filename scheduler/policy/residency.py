@@ -1,0 +1,280 @@
+"""What should be resident: desired counts, idle unload, surplus eviction, and a cost-aware packer.
+
+Pinned models and models below their minimum come first, then the rest; within each tier the
+packer looks at what a placement costs (bytes) as well as what it is worth (priority): it tries a
+priority-first and a worth-per-byte-first order with best fit and keeps the better, then swaps a
+few cheap placements out for a more valuable one when that gains. Resident replicas are never
+moved by the packer, so a converged state stays put.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Sequence
+
+from scheduler.policy.inputs import DesiredModel, Profile, ReplicaInfo
+from scheduler.policy.placement import Fleet, Placer, Spot, draft_bytes
+from scheduler.policy.quotas import Quotas, need_of
+
+DEFAULT_LOAD_S = 60.0
+RESTART_LIMIT, RESTARTS = 60, 64  # small batches get perturbed restarts of the greedy
+
+
+def desired_count(model: DesiredModel, replicas: Sequence[ReplicaInfo], now: float) -> tuple[int, int, str]:
+    """(desired, base, why). On-demand (min 0) models: base 1 while requested within the idle
+    timeout, while requests wait, or while the idle time is not known and replicas exist."""
+    scaling = model.scaling
+    if scaling.on_demand:
+        last = model.last_requested_at
+        if model.waiting > 0:
+            base, why = 1, "on-demand: requests waiting"
+        elif last is not None and now - last < scaling.idle_timeout_s:
+            base, why = 1, "on-demand: requested within its idle timeout"
+        elif last is None and replicas:
+            base, why = 1, "on-demand: idle time not known, so not idle"
+        else:
+            base, why = 0, "on-demand: idle"
+    else:
+        base, why = scaling.min, "minimum"
+    if model.pinned and base < 1:
+        base, why = 1, "pinned"
+    upper = max(scaling.upper, base)
+    extra = max(model.extra, 0) if base > 0 else 0  # load scaling acts only above a base of one or more
+    return min(base + extra, upper), base, why
+
+
+def eviction_score(replica: ReplicaInfo, now: float) -> tuple:
+    """Higher first: frees the most memory for the least expected reload cost (idle ÷ load time).
+    Unknown idle time is not idle (score 0)."""
+    size = replica.memory_bytes * max(len(replica.accelerators), 1)
+    idle = (now - replica.last_used_at) if replica.last_used_at is not None else 0.0
+    load = replica.load_seconds if replica.load_seconds else DEFAULT_LOAD_S
+    return (size * max(idle, 0.0) / load, replica.load_added, replica.created_at, replica.id)
+
+
+def surplus(replicas: Sequence[ReplicaInfo], count: int, now: float, *, idle_only_after: float | None,
+            protected) -> list[ReplicaInfo]:
+    """Which replicas to stop to come down to ``count``: never pinned or active ones; when the
+    model went idle (``idle_only_after``), only replicas known to be idle that long."""
+    excess = len(replicas) - count
+    if excess <= 0:
+        return []
+    pool = [r for r in replicas if not protected(r)]
+    if idle_only_after is not None:
+        pool = [r for r in pool if r.last_used_at is not None and now - r.last_used_at >= idle_only_after]
+    pool.sort(key=lambda r: eviction_score(r, now), reverse=True)
+    return pool[:excess]
+
+
+@dataclasses.dataclass
+class Demand:
+    model: DesiredModel
+    slot: int  # which missing replica of the model (0, 1, …)
+    tier: int  # 0 pinned, 1 below minimum / on-demand load, 2 the rest
+    reason: str
+    profiles: tuple[Profile, ...]
+    extra_bytes: int = 0
+    level: int = 0
+    serves_for: str = ""
+    draft: str = ""
+
+    @property
+    def value(self) -> float:
+        return float(max(self.model.priority, 0)) + 1e-9
+
+    @property
+    def cost(self) -> int:
+        return max(self.profiles[0].footprint(self.extra_bytes), 1) if self.profiles else 1
+
+    @property
+    def key(self) -> tuple:
+        return (self.model.id, self.slot)
+
+
+@dataclasses.dataclass
+class Placed:
+    demand: Demand
+    profile: Profile
+    spot: Spot
+    replica: ReplicaInfo
+
+
+def try_place(demand: Demand, fleet: Fleet, quotas: Quotas, placer: Placer) -> tuple[Profile | None, Spot | None, str]:
+    first = ""
+    for profile in demand.profiles:
+        refusal = quotas.refusal(demand.model.owner, need_of(profile, demand.extra_bytes)) if quotas.governed else ""
+        if refusal:
+            first = first or refusal
+            continue
+        spot = placer.best_spot(fleet, demand.model, profile, demand.extra_bytes)
+        if spot is not None:
+            return profile, spot, ""
+    return None, None, first
+
+
+def commit(demand: Demand, profile: Profile, spot: Spot, fleet: Fleet, quotas: Quotas, now: float) -> Placed:
+    replica = ReplicaInfo(id=f"plan:{demand.model.id}:{demand.slot}", model=demand.model.id, profile=profile.name,
+                          node=spot.node, accelerators=spot.accelerators, memory_bytes=spot.memory_bytes,
+                          cpu_cores=spot.cpu_cores, state="starting", pinned=demand.model.pinned, created_at=now,
+                          fingerprint=demand.model.fingerprint, load_added=demand.tier == 2 and demand.model.extra > 0)
+    fleet.add(replica)
+    quotas.add(replica)
+    return Placed(demand, profile, spot, replica)
+
+
+def _greedy(order: Sequence[Demand], fleet: Fleet, quotas: Quotas, placer: Placer, now: float):
+    placed, unplaced = [], []
+    for demand in order:
+        profile, spot, _ = try_place(demand, fleet, quotas, placer)
+        if spot is None:
+            unplaced.append(demand)
+        else:
+            placed.append(commit(demand, profile, spot, fleet, quotas, now))
+    return placed, unplaced
+
+
+def _score(placed: Sequence[Placed]) -> tuple:
+    return (sum(p.demand.value for p in placed), -sum(p.demand.cost for p in placed))
+
+
+def pack(demands: Sequence[Demand], fleet: Fleet, quotas: Quotas, placer: Placer, now: float, *,
+         exhaustive: bool = True) -> tuple[list[Placed], list[Demand], Fleet, Quotas]:
+    """Place ``demands`` on ``fleet`` (mutating the returned fleet/quotas), worth against cost."""
+    by_priority = sorted(demands, key=lambda d: (-d.value, -d.cost, d.key))
+    trial_fleet, trial_quotas = fleet.copy(), quotas.copy()
+    placed, unplaced = _greedy(by_priority, trial_fleet, trial_quotas, placer, now)
+    best = (placed, unplaced, trial_fleet, trial_quotas)
+    if not unplaced or not exhaustive:
+        return best
+    # Not everything fits: worth against cost. Several orders (worth per byte, worth, and a few
+    # deterministic perturbations of worth per byte for small batches), each improved by swaps.
+    by_density = sorted(demands, key=lambda d: (-d.value / d.cost, -d.value, d.key))
+    orders = [by_priority, by_density, sorted(demands, key=lambda d: (-d.value, d.cost, d.key))]
+    if len(demands) <= RESTART_LIMIT:
+        rnd = random.Random(len(demands))  # deterministic: the same batch gets the same restarts
+        for _ in range(RESTARTS):
+            noisy = {d.key: d.value / d.cost * rnd.uniform(0.7, 1.3) for d in demands}
+            orders.append(sorted(demands, key=lambda d: (-noisy[d.key], d.key)))
+    best = None
+    for order in orders:
+        trial_fleet, trial_quotas = fleet.copy(), quotas.copy()
+        placed, unplaced = _greedy(order, trial_fleet, trial_quotas, placer, now)
+        if unplaced:
+            placed, unplaced = _improve(placed, unplaced, trial_fleet, trial_quotas, placer, now)
+        if best is None or _score(placed) > _score(best[0]):
+            best = (placed, unplaced, trial_fleet, trial_quotas)
+        if not unplaced:
+            break
+    return best
+
+
+def _improve(placed: list[Placed], unplaced: list[Demand], fleet: Fleet, quotas: Quotas, placer: Placer,
+             now: float, rounds: int = 64) -> tuple[list[Placed], list[Demand]]:
+    """Swap placements made in this pack (never resident replicas) out for a more valuable demand
+    on one accelerator, re-placing what was swapped out where it still fits."""
+    for _ in range(rounds):
+        improved = False
+        on_acc: dict[str, list[Placed]] = {}
+        for p in placed:
+            if len(p.spot.accelerators) == 1:
+                on_acc.setdefault(p.spot.accelerators[0], []).append(p)
+        for demand in sorted(unplaced, key=lambda d: (-d.value / d.cost, -d.value, d.key)):
+            best = None
+            for profile in demand.profiles:
+                if profile.gpus != 1:
+                    continue
+                need = profile.memory_bytes + demand.extra_bytes
+                for acc_id in sorted(on_acc):
+                    node = fleet.nodes[fleet.acc_node[acc_id]]
+                    if placer._static_for(node, profile) or acc_id not in placer._usable[(node.name, id(profile))]:
+                        continue
+                    free = fleet.free_acc.get(acc_id, 0)
+                    out, gained, lost = [], free, 0.0
+                    mig = fleet.acc_info[acc_id].mig
+                    if mig and len(on_acc[acc_id]) != sum(1 for r in fleet.replicas.values() if acc_id in r.accelerators):
+                        continue  # a resident replica holds this MIG instance
+                    for p in sorted(on_acc[acc_id], key=lambda p: (p.demand.value / p.demand.cost, p.demand.key)):
+                        if gained >= need and not mig:
+                            break
+                        out.append(p)
+                        gained += p.replica.memory_bytes
+                        lost += p.demand.value
+                    if gained < need or lost >= demand.value:
+                        continue
+                    gain = demand.value - lost
+                    key = (-gain, gained - need, acc_id)
+                    if best is None or key < best[0]:
+                        best = (key, profile, acc_id, out, need)
+            if _shift(demand, placed, on_acc, fleet, quotas, placer, now):
+                unplaced.remove(demand)
+                improved = True
+                break
+            if best is None:
+                continue
+            _, profile, acc_id, out, need = best
+            trial_fleet, trial_quotas = fleet.copy(), quotas.copy()
+            for p in out:
+                trial_fleet.remove(p.replica.id)
+                trial_quotas.remove(p.replica)
+            if quotas.governed and trial_quotas.refusal(demand.model.owner, need_of(profile, demand.extra_bytes)):
+                continue
+            node_name = fleet.acc_node[acc_id]
+            spot = Spot(node_name, (acc_id,), need, profile.cpu_cores)
+            # Commit the swap on the real working copies.
+            for p in out:
+                fleet.remove(p.replica.id)
+                quotas.remove(p.replica)
+                placed.remove(p)
+            placed.append(commit(demand, profile, spot, fleet, quotas, now))
+            unplaced.remove(demand)
+            unplaced.extend(p.demand for p in out)
+            more, unplaced = _greedy(sorted(unplaced, key=lambda d: (-d.value / d.cost, -d.value, d.key)),
+                                     fleet, quotas, placer, now)
+            placed.extend(more)
+            improved = True
+            break
+        if not improved:
+            break
+    return placed, unplaced
+
+
+def _shift(demand: Demand, placed: list[Placed], on_acc: dict, fleet: Fleet, quotas: Quotas, placer: Placer,
+           now: float) -> bool:
+    """Make room for ``demand`` on one accelerator by moving one placement of this pack to another
+    accelerator where it fits: nothing is lost, the demand is gained."""
+    for profile in demand.profiles:
+        if profile.gpus != 1 or (quotas.governed and quotas.refusal(demand.model.owner, need_of(profile, demand.extra_bytes))):
+            continue
+        need = profile.memory_bytes + demand.extra_bytes
+        for acc_id in sorted(on_acc):
+            node = fleet.nodes[fleet.acc_node[acc_id]]
+            if fleet.acc_info[acc_id].mig or placer._static_for(node, profile) \
+                    or acc_id not in placer._usable[(node.name, id(profile))]:
+                continue
+            free = fleet.free_acc.get(acc_id, 0)
+            for p in sorted(on_acc[acc_id], key=lambda p: (p.replica.memory_bytes, p.demand.key)):
+                if free + p.replica.memory_bytes < need:
+                    continue
+                moved = p.replica.memory_bytes
+                target = None
+                for other in sorted(fleet.free_acc, key=lambda a: (fleet.free_acc[a], a)):
+                    if other == acc_id or fleet.free_acc[other] < moved or fleet.acc_info[other].mig:
+                        continue
+                    other_node = fleet.nodes[fleet.acc_node[other]]
+                    if placer._static_for(other_node, p.profile) or p.profile.gpus != 1 \
+                            or other not in placer._usable[(other_node.name, id(p.profile))]:
+                        continue
+                    target = other
+                    break
+                if target is None:
+                    continue
+                fleet.remove(p.replica.id)
+                quotas.remove(p.replica)
+                placed.remove(p)
+                placed.append(commit(p.demand, p.profile, Spot(fleet.acc_node[target], (target,), moved, p.spot.cpu_cores),
+                                     fleet, quotas, now))
+                placed.append(commit(demand, profile, Spot(node.name, (acc_id,), need, profile.cpu_cores),
+                                     fleet, quotas, now))
+                return True
+    return False
