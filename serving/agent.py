@@ -27,7 +27,8 @@ from scheduler.models import Accelerator, Node
 from scheduler.policy.calibration import ExitClassification
 from serving import watchdog
 from serving.deployments import gate, states
-from serving.deployments.service import engine_for, estimation_config, holder_of, release
+from serving.deployments.service import estimation_config, holder_of, release
+from serving.engines.registry import engine_for
 from serving.engines.base import LaunchSpec
 from serving.keys import replica_key
 from serving.models import DeploymentEvent, DeploymentState as S, Replica

@@ -8,10 +8,12 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from berth.errors import BerthError
+from berth.errors import NotFound
 from scheduler import memory
+from scheduler.errors import InsufficientMemory
 from scheduler.models import Accelerator, Node
 from serving.deployments import ports, states
+from serving.engines.registry import engine_for
 from serving.errors import DeploymentConflict, InvalidDeployment, SleepNotSupported
 from serving.models import Deployment, DeploymentState as S, Replica
 from tenancy import access, audit
@@ -44,12 +46,6 @@ class DeployRequest:
     owner: Scope | None = None
     priority: int = 50
     cores: int | None = None
-
-
-def engine_for(kind: str):
-    from serving.engines.registry import engine_for as lookup
-
-    return lookup(kind)
 
 
 def estimation_config(engine: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -115,8 +111,6 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
     config = _validate(request)
     result = _estimate(request, config)
     if result.fit is not None and not result.fit.fits:
-        from scheduler.errors import InsufficientMemory
-
         raise InsufficientMemory(f"{request.name} does not fit on {request.node.name}: "
                                  f"{result.estimate.total_bytes / GIB:,.2f} GiB needed.",
                                  details={"fit": result.fit.as_dict(), "estimate": result.estimate.as_dict()})
@@ -250,4 +244,4 @@ def require(actor: Actor, action: str, deployment: Deployment) -> None:
     if deployment.owner is not None:
         access.require(actor, action, deployment.owner)
     elif not access.is_superuser(actor):
-        raise BerthError("No such deployment, or it is outside your reach.", code="not_found", status=404)
+        raise NotFound("No such deployment, or it is outside your reach.")
