@@ -17,7 +17,7 @@ import time
 
 import httpx
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from berth.errors import BerthError
@@ -31,7 +31,7 @@ from serving.deployments.service import estimation_config, holder_of, release
 from serving.engines.registry import engine_for
 from serving.engines.base import LaunchSpec
 from serving.keys import replica_key
-from serving.models import DeploymentEvent, DeploymentState as S, Replica
+from serving.models import Deployment, DeploymentEvent, DeploymentState as S, Replica
 from serving.runtimes.base import Exit, Handle
 
 log = logging.getLogger(__name__)
@@ -328,8 +328,11 @@ def check_liveness(node: Node) -> None:
 
 def adopt(node: Node) -> None:
     """After an agent restart: loading engines whose process still runs are watched again; starts
-    interrupted before an engine existed are failed (their reservation is given back)."""
+    interrupted before an engine existed are failed (their reservation is given back); managed
+    engines running without any record are adopted as ``unknown`` so a person sees and can stop them."""
     from serving import tasks
+
+    adopt_orphans(node)
 
     for replica in Replica.objects.select_related("deployment", "node").filter(node=node, state__in=(S.STARTING,
                                                                                                      S.LOADING)):
@@ -347,6 +350,62 @@ def start_up() -> None:
 
     adopt(register_local_node())
     close_old_connections()
+
+
+def adopt_orphans(node: Node) -> list[Replica]:
+    adopted = []
+    for kind in ("process", "docker"):
+        try:
+            handles = runtime_for(kind).managed()
+        except Exception as error:  # a runtime this node does not have (no Docker daemon): nothing of it runs
+            log.info("no %s engines to adopt: %s", kind, error)
+            continue
+        known = {str(r) for r in Replica.objects.filter(public_id__in=[h.replica_id for h in handles if _is_id(h.replica_id)])
+                 .values_list("public_id", flat=True)}
+        for handle in handles:
+            if not _is_id(handle.replica_id) or handle.replica_id in known:
+                continue
+            name, port = _served_name_and_port(handle)
+            if port is None:
+                log.warning("a managed engine (%s) runs without a record and without a readable port", handle)
+                continue
+            with transaction.atomic():
+                deployment = Deployment.objects.create(
+                    name=name or f"unknown-{handle.replica_id[:8]}", model_path="", node=node,
+                    runtime=handle.runtime, state=S.UNKNOWN,
+                    state_detail="found running without a record: adopted; stop it or leave it")
+                adopted.append(Replica.objects.create(public_id=handle.replica_id, deployment=deployment, node=node,
+                                                      port=port, state=S.UNKNOWN, handle=dataclasses.asdict(handle)))
+                DeploymentEvent.objects.create(deployment=deployment, replica=adopted[-1], to_state=S.UNKNOWN,
+                                               message="a managed engine found running without a record")
+    return adopted
+
+
+def _is_id(value: str) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _served_name_and_port(handle: Handle) -> tuple[str, int | None]:
+    """What the engine serves and where, from its own command line (the only record left)."""
+    argv: list[str] = []
+    if handle.runtime == "process" and handle.pid:
+        try:
+            argv = open(f"/proc/{handle.pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            return "", None
+    elif handle.runtime == "docker" and handle.container_id:
+        container = runtime_for("docker").client.containers.get(handle.container_id)
+        argv = list(container.attrs.get("Args") or [])
+    def after(flag):
+        return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else ""
+    port = after("--port")
+    return after("--alias") or after("--served-model-name"), int(port) if port.isdigit() else None
 
 
 def heartbeat_forever(stop: threading.Event) -> None:

@@ -196,3 +196,25 @@ def test_a_queued_deploy_that_no_longer_fits_at_its_turn_fails_with_the_reason(a
     assert "no longer fits at its turn" in second.events.get(to_state="failed").message
     MemoryReservation.objects.filter(holder="elsewhere").delete()
     wait_until(lambda: state_of(first) == "ready", 120, what="the first one ready")
+
+
+def test_an_engine_running_without_a_record_is_adopted_as_unknown(tmp_path, model_root, node, tiny_model,
+                                                                  process_runtime, launch_spec):
+    import uuid
+
+    from serving.engines.llamacpp import LlamaCpp
+
+    spec = launch_spec(tiny_model, replica_id=str(uuid.uuid4()), served_name="stray",
+                       config=LlamaCpp().validate_config({"context": 256}))
+    handle = process_runtime.start(spec, LlamaCpp().command(spec))  # a record lost, an engine still running
+    running = Agent(tmp_path, model_root)  # its engines directory is the same tmp_path / "engines"
+    try:
+        replica = wait_until(lambda: Replica.objects.filter(public_id=spec.replica_id).first(), 30,
+                             what="the stray engine adopted")
+        assert replica.state == "unknown" and replica.port == spec.port
+        assert replica.deployment.name == "stray" and replica.deployment.state == "unknown"
+        service.stop(ADMIN, replica.deployment)
+        wait_until(lambda: state_of(replica.deployment) == "stopped", 60, what="the adopted engine stopped")
+        assert not process_runtime.status(handle).running
+    finally:
+        running.stop()
