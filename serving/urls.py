@@ -9,6 +9,7 @@ urlpatterns = [
     path("deploy/", views.DeployView.as_view(), name="deploy"),
     path("deploy/preview/", views.PreviewView.as_view(), name="preview"),
     path("deployments/<uuid:public_id>/", views.DeploymentView.as_view(), name="deployment"),
+    path("deployments/<uuid:public_id>/stream/", views.deployment_stream, name="deployment-stream"),
     path("deployments/<uuid:public_id>/reconfigure/", views.ReconfigureView.as_view(), name="reconfigure"),
     path("deployments/<uuid:public_id>/<str:verb>/", views.DeploymentActionView.as_view(), name="deployment-action"),
     # The mirror: Held, Explore and Fetch, and a held model's card.

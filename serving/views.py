@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.http import Http404
@@ -47,7 +48,8 @@ class DeploymentView(LoginRequiredMixin, PageView):
         context.update(deployment=deployment, events=EventTable(reversed(events)),
                        operations=OperationTable(operations.distinct()),
                        log_tail=next((e.log_tail for e in reversed(events) if e.log_tail), ""),
-                       settled=deployment.state in ("ready", "stopped", "failed", "sleeping"))
+                       settled=deployment.state in ("ready", "stopped", "failed", "sleeping"),
+                       live_events=bool(settings.REDIS_URL))
         return context
 
 
@@ -142,3 +144,25 @@ def _request(request, form) -> service.DeployRequest:
     return service.DeployRequest(name=data["name"], model_path=data["model_path"], node=data["node"],
                                  engine=data["engine"], runtime=data["runtime"], task=data["task"],
                                  config=form.engine_config(), owner=owner, priority=data["priority"])
+
+
+async def deployment_stream(request, public_id):
+    """``text/event-stream`` of one deployment's transitions (404 outside the caller's reach)."""
+    from asgiref.sync import sync_to_async
+    from django.conf import settings
+    from django.http import HttpResponse, StreamingHttpResponse
+
+    from serving.live import deployment_events
+
+    user = await request.auser()
+    if not user.is_authenticated:
+        raise Http404("No such deployment, or it is outside your reach.")
+    visible = await sync_to_async(lambda: visible_deployments(user).filter(public_id=public_id).exists())()
+    if not visible:
+        raise Http404("No such deployment, or it is outside your reach.")
+    if not settings.REDIS_URL:
+        return HttpResponse(status=204)  # nothing to listen to: the page polls
+    response = StreamingHttpResponse(deployment_events(str(public_id)), content_type="text/event-stream")
+    response["Cache-Control"] = "no-store"
+    response["X-Accel-Buffering"] = "no"
+    return response
