@@ -132,9 +132,8 @@ def watch_startup(replica: Replica) -> None:
                 fail(replica, f"engine {status.exit.describe() if status.exit else 'vanished'} while loading",
                      handle=handle, exit=status.exit)
                 return
-            available = _mem_available()
-            if deployment.node.address in ("127.0.0.1", "localhost") and available is not None and margin \
-                    and available < margin and not deployment.gpu_uuids:
+            available = _mem_available()  # the agent runs on the replica's node: this machine's figure
+            if available is not None and margin and available < margin and not deployment.gpu_uuids:
                 fail(replica, f"available memory fell to {available / 2**30:.1f} GiB, below the safety margin, "
                               "during start-up", handle=handle)
                 return
