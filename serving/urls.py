@@ -17,4 +17,6 @@ urlpatterns = [
     path("held/<uuid:public_id>/", catalog_views.ModelCardView.as_view(), name="catalog-card"),
     path("explore/", catalog_views.ExploreView.as_view(), name="catalog-explore"),
     path("fetch/", catalog_views.FetchView.as_view(), name="catalog-fetch"),
+    path("serve/", catalog_views.ServeView.as_view(), name="catalog-serve"),
+    path("jobs/<uuid:public_id>/", catalog_views.JobView.as_view(), name="catalog-job"),
 ]

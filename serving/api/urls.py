@@ -1,3 +1,4 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from serving.api import views
@@ -10,4 +11,6 @@ router.register("catalog/models", catalog_api.CatalogModelViewSet, basename="cat
 router.register("catalog/files", catalog_api.ModelFileViewSet, basename="catalog-file")
 router.register("catalog/fetches", catalog_api.FetchJobViewSet, basename="catalog-fetch")
 router.register("hub", catalog_api.HubViewSet, basename="hub")
-urlpatterns = router.urls
+urlpatterns = router.urls + [
+    path("serve/", catalog_api.ServeView.as_view(), name="serve"),
+]

@@ -6,8 +6,9 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from serving.catalog import entries, fetch, hub, servability
+from serving.catalog import entries, fetch, hub, room, servability
 from serving.catalog.models import FetchJob, ModelEntry, ModelFile
 from serving.catalog.views import visible_jobs
 from tenancy import access
@@ -78,6 +79,18 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
         return Response(servability.check(entries.served_path(entry)).as_dict())
 
     @extend_schema(request=None, responses={200: dict})
+    @action(detail=True, methods=["get"])
+    def room(self, request, public_id=None):
+        """Where the model runs, and how many more replicas fit where (headroom, or the fit planner)."""
+        from serving.catalog.views import held_entries
+
+        entry = next(e for e in held_entries(request.user) if e.pk == self.get_object().pk)
+        more = room.room_for_more(entry)
+        return Response({"placement": entry.placement, "more": more.more, "nodes": more.nodes,
+                         "blocked": more.blocked, "source": more.source, "per_replica_bytes": more.per_replica_bytes,
+                         "note": more.note})
+
+    @extend_schema(request=None, responses={200: dict})
     @action(detail=True, methods=["post"], url_path="remove-files")
     def remove_files(self, request, public_id=None):
         return Response({"removed": entries.remove_files(Actor.from_request(request), self.get_object())})
@@ -143,3 +156,29 @@ class HubViewSet(viewsets.ViewSet):
                          "sets": [{"name": s.name, "quantisation": s.quantisation, "format": s.format, "size": s.size,
                                    "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in s.files]}
                                   for s in listing.file_sets()]})
+
+
+class ServeInputSerializer(serializers.Serializer):
+    repo = serializers.CharField()
+    revision = serializers.CharField(required=False, default="main")
+    quant = serializers.CharField(required=False, allow_blank=True, default="")
+    file = serializers.CharField(required=False, allow_blank=True, default="")
+    name = serializers.CharField(required=False, allow_blank=True, default="")
+    owner = serializers.CharField(required=False, allow_blank=True, default="")
+    node = serializers.CharField(required=False, allow_blank=True, default="")
+    context = serializers.IntegerField(required=False, min_value=1, default=entries.DEFAULT_CONTEXT)
+    on_demand = serializers.BooleanField(required=False, default=False)
+
+
+class ServeView(APIView):
+    """Serve a hub model in one command: the job ``manage.py serve_model`` runs, on the control
+    queue. 202 with the job's row; follow it at ``catalog/fetches/<id>/`` (its ``steps``)."""
+
+    @extend_schema(request=ServeInputSerializer, responses={202: FetchJobSerializer})
+    def post(self, request):
+        from serving.catalog.views import serve_request
+
+        data = ServeInputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        job = serve_request(request, data.validated_data)
+        return Response(FetchJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)

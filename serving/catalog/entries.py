@@ -235,10 +235,27 @@ def remove_files(actor: Actor, entry: ModelEntry) -> int:
     return count
 
 
+def files_of_running_jobs() -> set[str]:
+    """Every path a queued or running fetch writes (its files, their partial downloads and where a
+    mismatch is quarantined): those rows have no model until the fetch ends."""
+    from serving.catalog.fetch import local_path, quarantine_root
+
+    paths = set()
+    running = FetchJob.objects.filter(status__in=(FetchJob.Status.QUEUED, FetchJob.Status.RUNNING))
+    for job in running.only("repo", "commit", "files"):
+        for file in job.files:
+            target = local_path(job.repo, job.commit, file["path"])
+            paths.update({str(target), str(target.with_name(target.name + ".part")),
+                          str(quarantine_root() / job.repo / job.commit / file["path"])})
+    return paths
+
+
 def garbage_collect(actor: Actor) -> dict[str, int]:
-    """Delete files no model references (orphaned rows, quarantined files) unless a deployment uses them."""
+    """Delete files no model references (orphaned rows, quarantined files) unless a deployment uses
+    them or a fetch still running writes them (its rows get their model only when it ends)."""
     candidates = list(ModelFile.objects.filter(model__isnull=True))
     in_use = set(_active_users([f.path for f in candidates]).values_list("model_path", flat=True))
+    in_use |= files_of_running_jobs()
     removed, freed = 0, 0
     for file in candidates:
         if file.path in in_use:

@@ -41,3 +41,9 @@ class ImportFailed(InvalidInput):
 class NotServable(BerthError):
     status = 409
     code = "not_servable"
+
+
+class ScalingRefused(Conflict):
+    """A minimum placement cannot meet; ``details`` has what runs, how many more fit and where."""
+
+    code = "scaling_refused"

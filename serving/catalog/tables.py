@@ -19,25 +19,17 @@ def _verified(entry):
 
 
 def _replicas(entry):
-    replicas = [r for d in entry.deployments for r in d.replica_set.all()]
-    ready = sum(r.state == "ready" for r in replicas)
-    starting = sum(r.state in ("planned", "queued", "starting", "loading") for r in replicas)
-    wanted = max(entry.scaling_min, 1 if replicas else 0)
-    text = f"{ready} of {wanted} ready"
-    return f"{text}, {starting} starting" if starting else text
+    where = entry.placement
+    text = f"{where['ready']} of {where['wanted']} ready"
+    return f"{text}, {where['starting']} starting" if where["starting"] else text
 
 
 def _nodes(entry):
-    return ", ".join(sorted({d.node.name for d in entry.deployments})) or None
+    return ", ".join(entry.placement["nodes"]) or None
 
 
 def _state(entry):
-    states = {d.state for d in entry.deployments}
-    if "ready" in states:
-        return "serving"
-    if states & {"planned", "queued", "starting", "loading"}:
-        return "starting"
-    return "idle" if entry.scaling_min == 0 else "unplaced"
+    return entry.placement["state"]
 
 
 class HeldTable(Table):
@@ -58,7 +50,7 @@ class HeldTable(Table):
 
 class FetchJobTable(Table):
     columns = (
-        Column("Repository", "repo"),
+        Column("Repository", "repo", link=lambda j: reverse("serving:catalog-job", args=[j.public_id])),
         Column("Commit", lambda j: j.commit[:8]),
         Column("Status", lambda j: j.get_status_display()),
         Column("Progress", lambda j: f"{j.percent}%" if j.percent is not None else None, numeric=True),

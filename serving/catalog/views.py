@@ -9,9 +9,9 @@ from django.http import Http404
 from django.shortcuts import redirect
 from django.views import View
 
-from berth.errors import BerthError
+from berth.errors import BerthError, InvalidInput
 from berth.htmx import PageView, render_page
-from serving.catalog import entries, fetch, hub, servability
+from serving.catalog import entries, fetch, hub, room, servability, serve
 from serving.catalog.errors import HubUnreachable
 from serving.catalog.models import FetchJob
 from serving.catalog.tables import FetchJobTable, FileTable, HeldTable
@@ -21,19 +21,28 @@ from tenancy.models import Scope
 from tenancy.services.tree import resolve_scope
 
 
-def held_entries(user):
-    from serving.models import Deployment
+def held_entries(user, *, verdicts: bool = True):
+    """The entries the caller may see, each with its deployments (by the file a profile serves, or
+    by name), their replicas and nodes, and where it runs (``entry.placement``)."""
+    from django.db.models import Prefetch, Q
+
+    from serving.models import Deployment, Replica
 
     rows = list(entries.visible_entries(user).prefetch_related("files"))
-    paths = {}
+    paths, names = {}, {}
     for entry in rows:
         for profile in entry.profiles:
             paths.setdefault(profile.get("file"), []).append(entry)
+        names.setdefault(entry.name, []).append(entry)
         entry.deployments = []
-    for deployment in Deployment.objects.filter(model_path__in=list(paths)).select_related("node") \
-            .prefetch_related("replica_set"):
-        for entry in paths.get(deployment.model_path, []):
+    found = Deployment.objects.filter(Q(model_path__in=[p for p in paths if p]) | Q(name__in=list(names))) \
+        .select_related("node").prefetch_related(Prefetch("replica_set", queryset=Replica.objects.select_related("node")))
+    for deployment in found:
+        for entry in {id(e): e for e in paths.get(deployment.model_path, []) + names.get(deployment.name, [])}.values():
             entry.deployments.append(deployment)
+    known = room.placement_verdicts() if verdicts and rows else {}
+    for entry in rows:
+        entry.placement = room.placement(entry, known)
     return rows
 
 
@@ -84,13 +93,15 @@ class ModelCardView(LoginRequiredMixin, PageView):
         except BerthError as error:
             context["not_servable"] = error.message
         context.update(entry=entry, files=FileTable(entry.files.select_related("node")), verdict=verdict, tab="held",
-                       replicas=[(d, r) for d in entry.deployments for r in d.replica_set.all()])
+                       replicas=[(d, r) for d in entry.deployments for r in d.replica_set.all() if r.state in room.LIVE],
+                       room=room.room_for_more(entry), where=entry.placement)
         return context
 
     def post(self, request, public_id):
         entry = self.entry()
         try:
             low, high = int(request.POST.get("scaling_min", "")), int(request.POST.get("scaling_max", ""))
+            room.check_scaling(entry, low, high)
             entries.save_entry(Actor.from_request(request), {"scaling_min": low, "scaling_max": high}, entry=entry)
             messages.success(request, f"{entry.name}: at least {low}, at most {high} replicas.")
         except ValueError:
@@ -147,3 +158,63 @@ class FetchView(LoginRequiredMixin, View):
             return self.form(request, values, refusal=error, status=error.status)
         messages.success(request, f"Fetching {job.repo} at {job.commit[:8]}: follow it on Held.")
         return redirect("serving:catalog-held")
+
+
+SERVE_FIELDS = ("repo", "revision", "quant", "file", "name", "owner", "node", "context")
+
+
+def serve_request(request, values: dict) -> FetchJob:
+    """Start a serve-in-one-command job from form or API values (refused up front with the reason)."""
+    owner = None
+    if values.get("owner"):
+        owner = resolve_scope(values["owner"], access.visible_to(request.user, Scope.objects.all(), ""))
+    try:
+        context = int(values.get("context") or entries.DEFAULT_CONTEXT)
+    except (TypeError, ValueError):
+        raise InvalidInput("Context is a whole number of tokens.", details={"context": values.get("context")})
+    return serve.start(Actor.from_request(request), fetch.FetchRequest(
+        repo=values.get("repo") or "", revision=values.get("revision") or "main", quant=values.get("quant") or None,
+        file=values.get("file") or None, name=values.get("name") or None, owner=owner),
+        on_demand=bool(values.get("on_demand")), node=values.get("node") or "", context=context)
+
+
+class ServeView(LoginRequiredMixin, View):
+    """Serve in one command from the console: the same job as ``manage.py serve_model`` on the
+    control queue; a refusal returns to the Fetch tab's serve form with the reason."""
+
+    def get(self, request):
+        return redirect("serving:catalog-fetch")
+
+    def post(self, request):
+        values = {k: request.POST.get(k, "").strip() for k in SERVE_FIELDS}
+        values["on_demand"] = request.POST.get("on_demand") == "on"
+        try:
+            job = serve_request(request, values)
+        except BerthError as error:
+            return render_page(request, "serving/catalog/fetch.html", "serving/catalog/fetch.html",
+                               {"values": {}, "serve_values": values, "serve_refusal": error, "tab": "fetch"},
+                               status=error.status)
+        return redirect("serving:catalog-job", public_id=job.public_id)
+
+
+class JobView(LoginRequiredMixin, PageView):
+    """One fetch or serve job: each step and file as it changes. htmx polls the fragment while
+    the job runs; once it has ended the fragment carries no trigger and answers 286 (stop)."""
+
+    template_name = "serving/catalog/job.html"
+    fragment_template_name = "serving/catalog/job_status.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        job = visible_jobs(self.request.user).select_related("model").filter(public_id=self.kwargs["public_id"]).first()
+        if job is None:
+            raise Http404("No such job, or it is outside your reach.")
+        running = job.status in (FetchJob.Status.QUEUED, FetchJob.Status.RUNNING)
+        context.update(job=job, polling=running, tab="fetch")
+        return context
+
+    def render_to_response(self, context, **kwargs):
+        response = super().render_to_response(context, **kwargs)
+        if self.request.headers.get("HX-Request") and not context["polling"]:
+            response.status_code = 286  # the job has ended: htmx stops polling
+        return response

@@ -1,0 +1,207 @@
+"""Where a held model runs, and the room for more of it.
+
+The room for more is Scheduler II's headroom (``scheduler.placement_service.headroom``): the
+catalog entry becomes the policy's :class:`~scheduler.policy.inputs.DesiredModel` and is dry-run
+against the current snapshot (the inventory, with every memory reservation — Berth's replicas
+included — as a pinned stand-in). Where the policy cannot be asked, the fit planner is asked per
+node instead (``scheduler.memory.estimate_and_fit``: the node's free memory for new work divided
+by the estimate). The same figure refuses a minimum the fleet cannot hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from pathlib import Path
+
+from berth.errors import BerthError
+from serving.catalog import entries
+from serving.catalog.errors import ScalingRefused
+from serving.catalog.models import ModelEntry
+
+log = logging.getLogger(__name__)
+
+# Replica states that count as running (or about to): they hold a port and memory.
+LIVE = ("planned", "queued", "starting", "loading", "ready", "sleeping")
+STARTING = ("planned", "queued", "starting", "loading")
+HEADROOM_LIMIT = 16
+
+
+@dataclasses.dataclass
+class Room:
+    """How many more replicas fit, where (node → count), what stopped the count, and how it was known."""
+
+    more: int | None  # None: not known (no estimate, or nothing to ask)
+    nodes: dict[str, int] = dataclasses.field(default_factory=dict)
+    blocked: str = ""
+    source: str = ""  # "headroom" or "fit planner"; "" when not known
+    per_replica_bytes: int | None = None
+    note: str = ""
+
+    @property
+    def where(self) -> str:
+        return ", ".join(f"{count} on {node}" for node, count in sorted(self.nodes.items()))
+
+
+# --- where it runs ----------------------------------------------------------------------------
+
+def live_replicas(entry: ModelEntry) -> list:
+    """The entry's replicas that run or are starting (``entry.deployments`` from ``held_entries``)."""
+    return [r for d in getattr(entry, "deployments", []) for r in d.replica_set.all() if r.state in LIVE]
+
+
+def placement(entry: ModelEntry, verdicts: dict | None = None) -> dict:
+    """Ready of wanted, starting, nodes and the state word (serving / starting / parked /
+    unplaceable / idle / stopped) of one held model."""
+    replicas = live_replicas(entry)
+    ready = sum(r.state in ("ready", "sleeping") for r in replicas)
+    starting = sum(r.state in STARTING for r in replicas)
+    active = [d for d in getattr(entry, "deployments", []) if d.state not in ("stopped", "failed")]
+    wanted = max(entry.scaling_min, sum(d.replicas for d in active))
+    nodes = sorted({r.node.name for r in replicas})
+    verdict = (verdicts or {}).get(entry.name) or (verdicts or {}).get(str(entry.public_id))
+    if verdict is not None and ready < max(wanted, 1):
+        state, reason = verdict["state"], verdict.get("detail", "")
+    elif ready:
+        state, reason = "serving", ""
+    elif starting:
+        state, reason = "starting", ""
+    elif entry.scaling_min == 0:
+        state, reason = "idle", "on demand: no replica until a request asks for it"
+    else:
+        state, reason = "stopped", f"wants {entry.scaling_min} and none runs"
+    return {"ready": ready, "wanted": wanted, "starting": starting, "nodes": nodes, "state": state, "reason": reason}
+
+
+def placement_verdicts() -> dict[str, dict]:
+    """The latest parked or unschedulable verdict per model, from Scheduler II's evidence rows."""
+    try:
+        from scheduler.placement_service import parked_and_unplaceable
+
+        found = parked_and_unplaceable()
+    except (ImportError, BerthError) as error:  # Scheduler II absent or refusing: no verdicts
+        log.warning("placement verdicts unavailable: %s", error)
+        return {}
+    verdicts = {}
+    for state, rows in (("unplaceable", found.get("unplaceable", [])), ("parked", found.get("parked", []))):
+        for row in rows:
+            verdicts[row["model"]] = {"state": state, "detail": row.get("detail") or ""}
+    return verdicts
+
+
+# --- the room for more ------------------------------------------------------------------------
+
+def _profile_bytes(entry: ModelEntry, profile: dict) -> int | None:
+    if profile.get("memory_bytes"):
+        return int(profile["memory_bytes"])
+    try:
+        path = entries.served_path(entry, profile.get("name"))
+    except BerthError:
+        return None
+    from serving.catalog import servability
+
+    verdict = servability.check(path, context=profile.get("context") or entries.DEFAULT_CONTEXT)
+    if not verdict.servable or not verdict.estimate:
+        return None
+    return int(verdict.estimate["total_bytes"])
+
+
+def desired_model(entry: ModelEntry):
+    """The entry as the policy's model, wanting no replica of its own (so the dry run counts only
+    what comes on top of what already runs: running replicas are in the snapshot as reservations)."""
+    from scheduler.policy.inputs import DesiredModel, Profile, Scaling
+
+    profiles = []
+    for index, p in enumerate(entry.profiles or []):
+        size = _profile_bytes(entry, p)
+        if size is None:
+            continue
+        engine = p.get("engine") or "llamacpp"
+        gpus = int(p.get("gpus", 1 if engine == "vllm" else 0))
+        profiles.append(Profile(name=p.get("name") or f"profile-{index}", engine=engine, gpus=gpus,
+                                memory_bytes=size, cpu_cores=int(p.get("cores") or 0),
+                                priority=int(p.get("priority") or 0)))
+    if not profiles:
+        return None
+    return DesiredModel(entry.name, tuple(profiles), Scaling(min=0, max=entry.scaling_max),
+                        capacity_class=entry.service_class, owner=entry.owner.path if entry.owner else "",
+                        fingerprint=entry.fingerprint)
+
+
+def room_for_more(entry: ModelEntry, *, record: bool = False) -> Room:
+    """Scheduler II's headroom for the entry; the fit planner per node where that cannot be asked."""
+    model = desired_model(entry)
+    if model is None:
+        return Room(more=None, note="No memory estimate: the model has no verified, servable file.")
+    per_replica = max(p.footprint() for p in model.profiles)
+    try:
+        from scheduler import placement_service
+        from scheduler.snapshot import current_snapshot
+
+        answer = placement_service.headroom(current_snapshot((model,)), model.id, limit=HEADROOM_LIMIT,
+                                            record=record)
+    except (ImportError, BerthError) as error:
+        log.warning("headroom unavailable for %s, asking the fit planner: %s", entry.name, error)
+        return fit_per_node(entry, per_replica)
+    return Room(more=int(answer.get("more") or 0), nodes=dict(Counter(answer.get("nodes") or [])),
+                blocked=answer.get("blocked") or "", source="headroom", per_replica_bytes=per_replica)
+
+
+def fit_per_node(entry: ModelEntry, per_replica: int | None = None) -> Room:
+    """The fit planner's answer, node by node: free memory for new work over one replica's estimate."""
+    from scheduler import memory
+    from scheduler.models import Node
+
+    profile = next(iter(entry.profiles or []), None)
+    if profile is None:
+        return Room(more=None, note="The model has no profile.")
+    try:
+        path = Path(entries.served_path(entry, profile.get("name")))
+    except BerthError as error:
+        return Room(more=None, note=error.message)
+    engine = profile.get("engine") or "llamacpp"
+    nodes, reasons = {}, []
+    for node in Node.objects.prefetch_related("engines").order_by("name"):
+        if node.state != "ready":
+            reasons.append(f"{node.name} is {node.state}")
+            continue
+        try:
+            result = memory.estimate_and_fit(path, engine, {"ctx_size": profile.get("context") or 4096}, node=node,
+                                             check_root=False)
+        except BerthError as error:
+            reasons.append(f"{node.name}: {error.message}")
+            continue
+        if result.fit is None:
+            reasons.append(f"{node.name}: memory never measured")
+            continue
+        size = per_replica or result.estimate.total_bytes
+        count = max(0, result.fit.free_for_new_bytes) // size if size else 0
+        if count:
+            nodes[node.name] = int(min(count, HEADROOM_LIMIT))
+        else:
+            reasons.append(f"{node.name} has {max(0, result.fit.free_for_new_bytes):,} bytes free for new work, "
+                           f"one replica needs {size:,}")
+    return Room(more=sum(nodes.values()), nodes=nodes, blocked="; ".join(reasons) or "",
+                source="fit planner", per_replica_bytes=per_replica)
+
+
+def check_scaling(entry: ModelEntry, low: int, high: int, *, room: Room | None = None) -> Room | None:
+    """Refuse a minimum placement cannot meet: what runs now plus the room for more must reach it.
+    A minimum no higher than what runs (or than before) needs no room. ``max ≥ min`` is the
+    validation's (every problem listed)."""
+    running = len(live_replicas(entry))
+    if low <= max(running, entry.scaling_min) or high < low:
+        return room
+    room = room or room_for_more(entry, record=True)
+    if room.more is None:
+        return room  # not known: the reconcile loop will say when it cannot place it
+    can = running + room.more
+    if low > can:
+        where = f" ({room.where})" if room.nodes else ""
+        raise ScalingRefused(
+            f"{entry.name}: at least {low} cannot be met — {running} run{'s' if running == 1 else ''} and "
+            f"{room.more} more fit{where}, {can} in all" + (f": {room.blocked}" if room.blocked else "") + ".",
+            details={"minimum": low, "running": running, "more": room.more, "nodes": room.nodes,
+                     "blocked": room.blocked, "source": room.source})
+    return room
