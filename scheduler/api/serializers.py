@@ -25,10 +25,10 @@ class AcceleratorSerializer(serializers.ModelSerializer):
                   "utilisation_percent", "temperature_c", "power_watts", "power_limit_watts", "throttle_reasons",
                   "healthy", "health_reason", "placeable", "unplaceable_reason", "updated_at"]
 
-    def get_parent(self, obj):
+    def get_parent(self, obj) -> str | None:
         return str(obj.parent.public_id) if obj.parent_id else None
 
-    def get_reserved_bytes(self, obj):
+    def get_reserved_bytes(self, obj) -> int:
         return sum(r.bytes for r in obj.reservations.all())
 
 
@@ -81,7 +81,7 @@ class CalibrationRecordSerializer(serializers.ModelSerializer):
         fields = ["id", "model_key", "model_name", "engine", "engine_version", "device", "config", "estimated_bytes",
                   "measured_bytes", "error_percent", "outcome", "evidence", "created_at"]
 
-    def get_error_percent(self, obj):
+    def get_error_percent(self, obj) -> float | None:
         if not obj.measured_bytes:
             return None
         return round((obj.estimated_bytes - obj.measured_bytes) * 100 / obj.measured_bytes, 2)

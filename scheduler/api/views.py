@@ -1,3 +1,4 @@
+from drf_spectacular.utils import extend_schema
 from django.db.models import Prefetch
 from django.shortcuts import get_object_or_404
 from django_filters.rest_framework import DjangoFilterBackend
@@ -77,6 +78,7 @@ class EstimateView(APIView):
     """POST a model path, engine and configuration (and optionally a node or accelerator):
     the estimate with its breakdown, and the fit with plans."""
 
+    @extend_schema(request=EstimateRequestSerializer, responses={200: dict})
     def post(self, request):
         body = EstimateRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -149,6 +151,7 @@ class ExplainPlacementView(_DryRunView):
     """POST a model's shape: per profile and node, why its next replica would be rejected.
     An always-running count (min) that placement cannot meet is said so, with the reason."""
 
+    @extend_schema(request=PolicyModelSerializer, responses={200: dict})
     def post(self, request):
         from scheduler import placement_service
         from scheduler.snapshot import current_snapshot
@@ -162,6 +165,7 @@ class ExplainPlacementView(_DryRunView):
 class HeadroomView(_DryRunView):
     """POST a model's shape: how many more replicas fit, by a dry run on a copy."""
 
+    @extend_schema(request=PolicyModelSerializer, responses={200: dict})
     def post(self, request):
         from scheduler import placement_service
         from scheduler.snapshot import current_snapshot
@@ -175,6 +179,7 @@ class HeadroomView(_DryRunView):
 class ParkedUnplaceableView(APIView):
     """The models whose latest decision is parked or unschedulable, with why."""
 
+    @extend_schema(responses={200: dict})
     def get(self, request):
         from scheduler import placement_service
 
