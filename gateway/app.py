@@ -28,10 +28,11 @@ from django.conf import settings
 from berth.errors import BerthError
 from gateway import metrics
 from gateway.auth import AuthCache, Principal
-from gateway.errors import (ERROR_TYPES, BadRequest, EndpointNotFound, InferenceNotAllowed, LimiterUnavailable, MethodNotAllowed,
-                            MissingKey, ModelLoading, ModelNotAllowed, ModelNotFound, NoReplica, QueueFull, TooLarge,
+from gateway import splits
+from gateway.errors import (ERROR_TYPES, BadRequest, EndpointNotFound, EnvironmentNotAllowed, InferenceNotAllowed,
+                            LimiterUnavailable, MethodNotAllowed, MissingKey, ModelLoading, ModelNotAllowed, ModelNotFound, NoReplica, QueueFull, TooLarge,
                             UpstreamError, UpstreamTimeout)
-from gateway.limits import Limiter
+from gateway.limits import LocalLimiter, Limiter
 from gateway.threads import run_db
 from gateway.upstream import Balancer
 from gateway.usage import UsageRecorder
@@ -188,8 +189,11 @@ class Gateway:
             self.timeout = aiohttp.ClientTimeout(total=settings.GATEWAY_TOTAL_TIMEOUT, sock_connect=10,
                                                  sock_read=settings.GATEWAY_FIRST_BYTE_TIMEOUT)
             self.auth = AuthCache(settings.GATEWAY_AUTH_CACHE_SECONDS)
-            self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db)
-            self.limiter = Limiter(self.redis, lease_seconds=settings.GATEWAY_TOTAL_TIMEOUT + 60)
+            self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db, loader=splits.load_table)
+            lease = settings.GATEWAY_TOTAL_TIMEOUT + 60
+            # Without Redis (the embedded mode, one process) the limits are kept in this process.
+            self.limiter = (Limiter(self.redis, lease_seconds=lease) if self.redis is not None
+                            else LocalLimiter(lease_seconds=lease))
             self.balancer = Balancer(settings.GATEWAY_BREAKER_FAILURES, settings.GATEWAY_BREAKER_SECONDS)
             self.recorder = UsageRecorder(settings.GATEWAY_USAGE_FLUSH_MS, settings.GATEWAY_USAGE_BATCH,
                                           self.redis_url, settings.GATEWAY_ACCESS_LOG)
@@ -328,9 +332,22 @@ class Gateway:
         if not principal.may_infer:
             raise InferenceNotAllowed("This key's client may not use the inference API.")
         table = await self.routing.get()
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "berth", "state": route.state,
-                 "task": route.task}
-                for name, route in sorted(table.models.items()) if principal.allows(name)]
+        listed = dict(table.models)
+        for name in table.splits:  # a split's own name need not be a model: it answers as its first variant
+            if name not in listed:
+                split = splits.applicable(table, name, principal.project_path)
+                target = table.route(split.variants[0]) if split is not None and split.variants else None
+                if target is not None:
+                    listed[name] = target
+        data = []
+        for name, route in sorted(listed.items()):
+            if not principal.allows(name):
+                continue
+            split = splits.applicable(table, name, principal.project_path) if table.splits else None
+            if split is not None and not split.allows_environment(principal.environment):
+                continue
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "berth", "state": route.state,
+                         "task": route.task})
         await call.respond(200, orjson.dumps({"object": "list", "data": data}))
 
     async def infer(self, call: Call, endpoint: str, upstream_path: str, required: tuple[str, ...]) -> None:
@@ -357,13 +374,18 @@ class Gateway:
         if not principal.allows(model):
             raise ModelNotAllowed(f"This key may not use the model {model[:200]!r}.", details={"model": model[:200]})
         table = await self.routing.get()
-        route = table.route(model)
+        served = self._resolve(table, model, principal)
+        route = table.route(served)
         if route is None and time.monotonic() - table.loaded_at > 0.1:
             # A model deployed since the last read (its change message may still be on the way):
             # read again before saying it does not exist. At most ten reads a second per process.
             table = await self.routing.fresh()
-            route = table.route(model)
+            served = self._resolve(table, model, principal)
+            route = table.route(served)
         if route is None:
+            if served != model:
+                raise ModelNotFound(f"The model {served[:200]!r} (a variant of {model[:200]!r}) does not exist.",
+                                    details={"model": model[:200], "variant": served[:200]})
             raise ModelNotFound(f"The model {model[:200]!r} does not exist.", details={"model": model[:200]})
         call.model_label = route.name
         try:
@@ -394,6 +416,23 @@ class Gateway:
                 watcher.cancel()
             tokens = (call.prompt_tokens or 0) + (call.completion_tokens or 0)
             self.limiter.settle(principal.plan, call.request_id, tokens)
+
+    @staticmethod
+    def _resolve(table: routing.RoutingTable, model: str, principal: Principal) -> str:
+        """The model name to route: the asked one, or the variant of a split the caller's client sees
+        (sticky per client). A split restricted to other environments refuses the caller. No I/O."""
+        if not table.splits:
+            return model
+        split = splits.applicable(table, model, principal.project_path)
+        if split is None:
+            return model
+        if not split.allows_environment(principal.environment):
+            allowed = sorted(split.environments)
+            raise EnvironmentNotAllowed(
+                f"The model {model[:200]!r} may be used by {', '.join(allowed)} clients only; this key's client "
+                f"is {principal.environment}.", details={"model": model[:200], "environments": allowed,
+                                                         "environment": principal.environment})
+        return split.choose(principal.client_id)
 
     async def _watch(self, call: Call, task: asyncio.Task) -> None:
         """Cancel the request when its client goes away (the engine's request is closed with it)."""

@@ -66,7 +66,7 @@ def load_principal(plaintext: str) -> tuple[Principal, float | None]:
         credential_pk=credential.pk, credential_id=str(credential.public_id), key_prefix=credential.prefix,
         lookup=credential.lookup, client_pk=client.pk, client_id=str(client.public_id), client_name=client.name,
         project_pk=project.pk, project_path=project.path, all_models=client.all_models,
-        allowed_models=frozenset(client.allowed_models or ()), may_infer=client.may_infer,
+        allowed_models=frozenset(client.allowed_models), may_infer=client.may_infer,
         environment=client.environment, plan=Plan.build(levels, budgets))
     return principal, credential.expires_at.timestamp() if credential.expires_at else None
 

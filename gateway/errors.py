@@ -24,6 +24,12 @@ class ModelNotAllowed(PermissionDenied):
     code = "model_not_allowed"
 
 
+class EnvironmentNotAllowed(PermissionDenied):
+    """The model (through a ``ModelSplit``) is restricted to other client environments."""
+
+    code = "environment_not_allowed"
+
+
 class ModelNotFound(NotFound):
     code = "model_not_found"
 

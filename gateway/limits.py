@@ -267,6 +267,10 @@ class Limiter:
         now = time.time()
         day, month = _periods(now)
         result = await self._admit(keys=(), args=(request_id, self.lease_ms, day, month, plan.spec))
+        return self._decide(plan, result, now)
+
+    def _decide(self, plan: Plan, result: list, now: float) -> Admission:
+        """ADMIT's answer (as the script returns it) as an admission, or the 429 to raise."""
         allowed, kind, index, current, previous, frac_micro, warn = result[:7]
         frac = frac_micro / 1_000_000
         headers = rate_headers(plan, result[7:], frac)
@@ -323,3 +327,124 @@ class Limiter:
     async def drain(self) -> None:
         if self._flushing is not None:
             await asyncio.gather(self._flushing, return_exceptions=True)
+
+
+class LocalLimiter(Limiter):
+    """The same limits kept in this process, for the embedded mode (no ``REDIS_URL``): one process
+    is the whole fleet there, so its own counters are exact. Same semantics as ``ADMIT``/``SETTLE``
+    — sliding one-minute windows from two buckets, concurrency leases that expire, day and month
+    budgets charged from real usage, hard or soft — and the same headers and refusals. Settling is
+    immediate (no I/O). The clock is this process's ``time.time()``."""
+
+    def __init__(self, lease_seconds: float, clock=time.time):
+        self.lease_ms = int(lease_seconds * 1000)
+        self.clock = clock
+        self._counts: dict[str, int] = {}  # "<base>:r:<minute>", "<base>:t:<minute>", budget keys
+        self._leases: dict[str, dict[str, int]] = {}  # "<base>:c" -> {request id: expiry ms}
+        self._swept_minute = -1
+        self._pending = []
+        self._flushing = None
+
+    def _sweep(self, minute: int, day: str, month: str) -> None:
+        """Once a minute: forget buckets older than the previous minute and budgets of past periods."""
+        self._swept_minute = minute
+        recent = {str(minute), str(minute - 1)}
+        for key in list(self._counts):
+            _, kind, period = key.rsplit(":", 2)
+            if (kind in ("r", "t") and period not in recent) or (kind == "d" and period != day) \
+                    or (kind == "m" and period != month):
+                del self._counts[key]
+        for key in [key for key, leases in self._leases.items() if not leases]:
+            del self._leases[key]
+
+    def _evaluate(self, plan: Plan, request_id: str, now: float, day: str, month: str) -> list:
+        """``ADMIT`` in Python: the same checks, charges and answer."""
+        sec = int(now)
+        now_ms = int(now * 1000)
+        minute = sec // 60
+        frac = (now % 60) / 60
+        if minute != self._swept_minute:
+            self._sweep(minute, day, month)
+        counts = self._counts
+        out = [1, "", 0, 0, 0, int(frac * 1_000_000), 0]
+        figures = []
+        for i, level in enumerate(plan.levels, start=1):
+            base = f"{PREFIX}rl:{level.ident}"
+            rc = rp = tc = tp = 0
+            if level.rpm:
+                rc = counts.get(f"{base}:r:{minute}", 0)
+                rp = counts.get(f"{base}:r:{minute - 1}", 0)
+                if out[0] == 1 and rp * (1 - frac) + rc + 1 > level.rpm:
+                    out = [0, "rpm", i, rc, rp, out[5], 0]
+            if level.tpm:
+                tc = counts.get(f"{base}:t:{minute}", 0)
+                tp = counts.get(f"{base}:t:{minute - 1}", 0)
+                if out[0] == 1 and tp * (1 - frac) + tc >= level.tpm:
+                    out = [0, "tpm", i, tc, tp, out[5], 0]
+            if level.concurrency:
+                leases = self._leases.get(f"{base}:c")
+                if leases:
+                    for rid in [rid for rid, until in leases.items() if until <= now_ms]:
+                        del leases[rid]
+                n = len(leases) if leases else 0
+                if out[0] == 1 and n + 1 > level.concurrency:
+                    out = [0, "concurrency", i, n, 0, out[5], 0]
+            figures += [int((rp * (1 - frac) + rc) * 1000), int((tp * (1 - frac) + tc) * 1000)]
+        warn = 0
+        for j, budget in enumerate(plan.budgets, start=1):
+            base = f"{PREFIX}budget:{budget.path}"
+            over = ((budget.daily and counts.get(f"{base}:d:{day}", 0) >= budget.daily)
+                    or (budget.monthly and counts.get(f"{base}:m:{month}", 0) >= budget.monthly))
+            if over:
+                if budget.hard:
+                    if out[0] == 1:
+                        out = [0, "budget", j, 0, 0, out[5], 0]
+                else:
+                    warn += 1
+        out[6] = warn
+        if out[0] == 1:
+            for i, level in enumerate(plan.levels):
+                base = f"{PREFIX}rl:{level.ident}"
+                if level.rpm:
+                    key = f"{base}:r:{minute}"
+                    counts[key] = counts.get(key, 0) + 1
+                    figures[2 * i] += 1000
+                if level.concurrency:
+                    self._leases.setdefault(f"{base}:c", {})[request_id] = now_ms + self.lease_ms
+        return out + figures
+
+    async def admit(self, plan: Plan, request_id: str) -> Admission:
+        if plan.empty:
+            return Admission(headers=[])
+        now = self.clock()
+        day, month = _periods(now)
+        return self._decide(plan, self._evaluate(plan, request_id, now, day, month), now)
+
+    def settle(self, plan: Plan, request_id: str, tokens: int) -> None:
+        """``SETTLE`` in Python, at once: release the lease, charge the tokens."""
+        if plan.empty or not plan.settles:
+            return
+        now = self.clock()
+        day, month = _periods(now)
+        minute = int(now) // 60
+        tokens = max(0, int(tokens or 0))
+        counts = self._counts
+        for level in plan.levels:
+            base = f"{PREFIX}rl:{level.ident}"
+            if tokens and level.tpm:
+                key = f"{base}:t:{minute}"
+                counts[key] = counts.get(key, 0) + tokens
+            if level.concurrency:
+                leases = self._leases.get(f"{base}:c")
+                if leases is not None:
+                    leases.pop(request_id, None)
+                    if not leases:
+                        del self._leases[f"{base}:c"]
+        if tokens:
+            for budget in plan.budgets:
+                base = f"{PREFIX}budget:{budget.path}"
+                for key in (f"{base}:d:{day}", f"{base}:m:{month}"):
+                    counts[key] = counts.get(key, 0) + tokens
+
+    async def drain(self) -> None:
+        return None

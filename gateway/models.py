@@ -1,5 +1,7 @@
 """Usage records (one per request, no content) and model prices."""
 
+import uuid
+
 from django.db import models
 
 
@@ -62,3 +64,39 @@ class ModelPrice(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model_name}: {self.prompt_per_1k}/{self.completion_per_1k} per 1k"
+
+
+class ModelSplit(models.Model):
+    """A canary or experiment: requests for ``model_name`` are served by its ``variants`` by weight,
+    sticky per client (a stable hash of the client's id picks the variant, so one client always sees
+    the same one while the split stands). ``environments`` limits who may call ``model_name`` at all
+    (the clients' environments; empty: any); a split with no variants is only that restriction.
+
+    A split of a scope applies to the clients of that scope and below (the most specific one wins);
+    a split without a scope applies to every client and is for staff to manage. The gateway reads
+    splits with the routing table, never per request."""
+
+    ENVIRONMENTS = ("production", "staging", "development")
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    model_name = models.CharField(max_length=200)
+    scope = models.ForeignKey("tenancy.Scope", null=True, blank=True, on_delete=models.CASCADE,
+                              related_name="+")
+    variants = models.JSONField(default=list, blank=True)  # [{"model": name, "weight": positive int}]
+    environments = models.JSONField(default=list, blank=True)  # allowed client environments; [] = any
+    enabled = models.BooleanField(default=True)
+    note = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model_name", "scope__path"]
+        constraints = [
+            models.UniqueConstraint(fields=["model_name", "scope"], name="gateway_split_model_scope"),
+            models.UniqueConstraint(fields=["model_name"], condition=models.Q(scope__isnull=True),
+                                    name="gateway_split_model_fleet"),
+        ]
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{v['model']}:{v['weight']}" for v in self.variants or ())
+        return f"{self.model_name} → {parts or '(as asked)'}"

@@ -1,20 +1,211 @@
-from django.contrib.auth.mixins import LoginRequiredMixin
+"""The gateway console: usage (records, totals, charts), model splits, and the playground."""
 
-from berth.htmx import PageView
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.mixins import LoginRequiredMixin
+from django.http import Http404
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views import View
+
+from berth.errors import BerthError
+from berth.htmx import PageView, render_page, wants_fragment
 from gateway import services
 from gateway.filtersets import UsageRecordFilterSet
+from tenancy import access
+
+PLAYGROUND_KEY_LIFETIME = timedelta(minutes=10)
+_SESSION_KEYS = "gateway_playground_keys"
+
+
+def _visible_scope_paths(user) -> list[str]:
+    from tenancy.models import Scope
+
+    return list(access.visible_to(user, Scope.objects.all(), "").order_by("path").values_list("path", flat=True)[:500])
 
 
 class IndexView(LoginRequiredMixin, PageView):
-    """Recent requests (one line each), usage by model and day, and one request by its id."""
+    """Recent requests (one line each), charts and usage by model and day, one request by its id,
+    and the model splits."""
 
     template_name = "gateway/index.html"
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        visible = services.visible_usage(self.request.user)
+        user = self.request.user
+        visible = services.visible_usage(user)
         filterset = UsageRecordFilterSet(self.request.GET or None, queryset=visible)
         records = filterset.qs if filterset.is_bound and filterset.is_valid() else visible
+        scope = (self.request.GET.get("scope") or "").strip()
+        in_scope = filterset.under_scope(visible, "scope", scope) if scope else visible
         context.update(filterset=filterset, records=records.order_by("-started_at")[:100],
-                       totals=services.totals_by_model_and_day(visible))
+                       totals=services.totals_by_model_and_day(in_scope), charts=services.charts(in_scope),
+                       scopes=_visible_scope_paths(user), chosen_scope=scope,
+                       splits=services.visible_splits(user), environments=services.ENVIRONMENTS)
         return context
+
+
+class SplitSaveView(LoginRequiredMixin, View):
+    """Create a split from the console form: variants written as ``model:weight, model:weight``."""
+
+    def post(self, request):
+        from tenancy.models import Scope
+
+        data = request.POST
+        variants = []
+        try:
+            for part in filter(None, (p.strip() for p in data.get("variants", "").split(","))):
+                name, _, weight = part.rpartition(":")
+                variants.append({"model": name.strip(), "weight": int(weight)})
+        except ValueError:
+            messages.error(request, "Variants are written model:weight, separated by commas.")
+            return redirect("gateway:index")
+        scope = None
+        if data.get("scope"):
+            scope = Scope.objects.filter(path=data["scope"]).first()
+            if scope is None or not access.can(request.user, "view", scope):
+                raise Http404
+        try:
+            services.save_split(request.user, None, model_name=data.get("model_name", ""), scope=scope,
+                                variants=variants, environments=data.getlist("environments"),
+                                note=data.get("note", ""))
+        except BerthError as error:
+            messages.error(request, error.message)
+        else:
+            messages.success(request, "Split saved; the gateway applies it within a moment.")
+        return redirect("gateway:index")
+
+
+class SplitDeleteView(LoginRequiredMixin, View):
+    def post(self, request, public_id):
+        split = get_object_or_404(services.visible_splits(request.user), public_id=public_id)
+        try:
+            services.delete_split(request.user, split)
+        except BerthError as error:
+            messages.error(request, error.message)
+        return redirect("gateway:index")
+
+
+def _usable_clients(user):
+    from tenancy.models import ServiceClient
+
+    clients = access.visible_to(user, ServiceClient.objects.filter(is_active=True).select_related("project"),
+                                "project").order_by("project__path", "name")
+    return [c for c in clients if c.may_infer and access.can(user, "use", c)]
+
+
+def _playground_key(request, client) -> str:
+    """A short-lived key of ``client`` for the playground: minted through Tenancy (audited) and kept
+    only in the caller's session until it nearly expires. Never rendered, never logged."""
+    from tenancy.audit import Actor
+    from tenancy.services import clients
+
+    kept = request.session.get(_SESSION_KEYS, {})
+    now = time.time()
+    entry = kept.get(str(client.public_id))
+    if entry and entry[1] - now > 60:
+        return entry[0]
+    credential, plaintext = clients.create_credential(Actor.from_request(request), client, name="playground",
+                                                      lifetime=PLAYGROUND_KEY_LIFETIME)
+    kept = {k: v for k, v in kept.items() if v[1] > now}
+    kept[str(client.public_id)] = [plaintext, credential.expires_at.timestamp()]
+    request.session[_SESSION_KEYS] = kept
+    return plaintext
+
+
+def _gateway_url(request) -> str:
+    return (getattr(settings, "GATEWAY_INTERNAL_URL", "") or request.build_absolute_uri("/")).rstrip("/")
+
+
+def send_playground_request(base_url: str, key: str, kind: str, model: str, text: str) -> dict:
+    """Send one chat or embedding request through the gateway; what the page shows of it."""
+    import httpx
+
+    if kind == "embedding":
+        path, body = "/v1/embeddings", {"model": model, "input": text}
+    else:
+        path, body = "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": text}],
+                                              "max_tokens": 256}
+    started = time.perf_counter()
+    try:
+        response = httpx.post(base_url + path, json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {key}"})
+    except httpx.HTTPError as exc:
+        return {"ok": False, "status": None, "error": f"The gateway could not be reached ({exc.__class__.__name__}).",
+                "latency_ms": round((time.perf_counter() - started) * 1000, 1)}
+    latency = round((time.perf_counter() - started) * 1000, 1)
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {}
+    result = {"ok": response.status_code == 200, "status": response.status_code, "latency_ms": latency,
+              "request_id": response.headers.get("x-request-id", ""), "kind": kind}
+    if response.status_code != 200:
+        error = payload.get("error") if isinstance(payload, dict) else None
+        result["error"] = (error or {}).get("message") or response.text[:500]
+        result["code"] = (error or {}).get("code", "")
+        return result
+    usage = payload.get("usage") or {}
+    result.update(prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
+                  model=payload.get("model", model))
+    if kind == "embedding":
+        vector = (payload.get("data") or [{}])[0].get("embedding") or []
+        result.update(dimensions=len(vector), preview=", ".join(f"{v:.4f}" for v in vector[:8]))
+    else:
+        choice = (payload.get("choices") or [{}])[0]
+        result["answer"] = (choice.get("message") or {}).get("content", "")
+    return result
+
+
+class PlaygroundView(LoginRequiredMixin, View):
+    """Send a chat or embedding request as one of the caller's service clients (HTMX: the answer
+    replaces the result panel). The key is minted for the client with a ten-minute lifetime."""
+
+    @staticmethod
+    def _choices(request) -> dict:
+        from gateway import splits
+
+        table = splits.load_table()
+        return {"clients": _usable_clients(request.user), "models": sorted(set(table.models) | set(table.splits))}
+
+    def get(self, request):
+        return render(request, "gateway/playground.html", self._choices(request))
+
+    def post(self, request):
+        from tenancy.models import ServiceClient
+
+        data = request.POST
+        kind = "embedding" if data.get("kind") == "embedding" else "chat"
+        model, text = (data.get("model") or "").strip(), data.get("text") or ""
+        client = ServiceClient.objects.filter(public_id=data.get("client") or None).first() \
+            if _looks_like_uuid(data.get("client")) else None
+        if client is None or not access.can(request.user, "use", client):
+            result = {"ok": False, "error": "Choose one of your service clients."}
+        elif not model or not text.strip():
+            result = {"ok": False, "error": "Choose a model and write something to send."}
+        else:
+            try:
+                key = _playground_key(request, client)
+            except BerthError as error:
+                result = {"ok": False, "error": f"No key could be made for {client.name}: {error.message}"}
+            else:
+                result = send_playground_request(_gateway_url(request), key, kind, model, text)
+        result.setdefault("client", client.name if client else "")
+        context = {"result": result, "chosen": data}
+        if not wants_fragment(request):  # without JavaScript: the whole page, with the result
+            context.update(self._choices(request))
+        return render_page(request, "gateway/playground.html", "gateway/playground_result.html", context)
+
+
+def _looks_like_uuid(value) -> bool:
+    import uuid
+
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True

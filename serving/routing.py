@@ -71,6 +71,8 @@ class ModelRoute:
 class RoutingTable:
     models: dict[str, ModelRoute]
     loaded_at: float  # time.monotonic()
+    # Extra data a reader loads alongside (the gateway's model splits: name -> its splits); plain data.
+    splits: dict = dataclasses.field(default_factory=dict)
 
     def route(self, name: str) -> ModelRoute | None:
         return self.models.get(name)
@@ -183,9 +185,10 @@ class RoutingCache:
     ``ttl`` or when ``invalidate()`` was called (a published change); concurrent readers share one
     reload, and while it runs readers keep the previous table (only the very first read waits)."""
 
-    def __init__(self, ttl: float, runner):
+    def __init__(self, ttl: float, runner, loader=None):
         self.ttl = ttl
         self._runner = runner
+        self._loader = loader or load_table  # a reader may load more with the table (``loader()`` calls it)
         self._table: RoutingTable | None = None
         self._stale = True
         self._reload = None
@@ -223,7 +226,7 @@ class RoutingCache:
 
     async def _do_reload(self) -> RoutingTable:
         try:
-            table = await self._runner(load_table)
+            table = await self._runner(self._loader)
         except Exception:
             self._stale = True
             if self._table is not None:

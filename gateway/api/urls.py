@@ -2,8 +2,9 @@
 
 from rest_framework.routers import SimpleRouter
 
-from gateway.api.views import UsageRecordViewSet
+from gateway.api.views import ModelSplitViewSet, UsageRecordViewSet
 
 router = SimpleRouter()
 router.register("usage", UsageRecordViewSet, basename="gateway-usage")
+router.register("splits", ModelSplitViewSet, basename="gateway-splits")
 urlpatterns = router.urls

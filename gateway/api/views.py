@@ -1,10 +1,11 @@
 """The gateway's management API: usage records, narrowed to the caller's scopes before any filter."""
 
 from django_filters.rest_framework import DjangoFilterBackend
-from rest_framework import mixins, viewsets
+from rest_framework import mixins, status, viewsets
+from rest_framework.response import Response
 
 from gateway import services
-from gateway.api.serializers import UsageRecordSerializer
+from gateway.api.serializers import ModelSplitSerializer, UsageRecordSerializer
 from gateway.filtersets import UsageRecordFilterSet
 
 
@@ -31,3 +32,57 @@ class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
         if record is None:
             raise Http404
         return record
+
+
+class ModelSplitViewSet(viewsets.ModelViewSet):
+    """Model splits: requests for ``model_name`` served by its variants by weight, sticky per client,
+    optionally only for some client environments. Staff manage fleet-wide splits (``scope`` null); a
+    scope's admins manage the splits of their scope, which apply to its clients and below."""
+
+    serializer_class = ModelSplitSerializer
+    lookup_field = "public_id"
+    lookup_value_converter = "uuid"
+
+    def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):
+            from gateway.models import ModelSplit
+
+            return ModelSplit.objects.none()
+        return services.visible_splits(self.request.user)
+
+    def _scope(self, path):
+        from berth.errors import NotFound
+        from tenancy import access
+        from tenancy.models import Scope
+
+        if not path:
+            return None
+        scope = Scope.objects.filter(path=path.strip("/")).first()
+        if scope is None or not (access.can(self.request.user, "view", scope)
+                                 or services.may_manage_split(self.request.user, None)):  # staff
+            raise NotFound("No such scope, or it is outside your reach.", details={"scope": path})
+        return scope
+
+    def _save(self, split, partial: bool):
+        serializer = self.get_serializer(split, data=self.request.data, partial=partial)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        current = {"model_name": split.model_name, "scope": split.scope.path if split and split.scope_id else None,
+                   "variants": split.variants, "environments": split.environments, "enabled": split.enabled,
+                   "note": split.note} if split is not None else {}
+        fields = {**current, **data} if partial else data
+        saved = services.save_split(self.request.user, split, model_name=fields["model_name"],
+                                    scope=self._scope(fields.get("scope")), variants=list(fields.get("variants", [])),
+                                    environments=list(fields.get("environments", [])),
+                                    enabled=fields.get("enabled", True), note=fields.get("note", ""))
+        return self.get_serializer(saved).data
+
+    def create(self, request, *args, **kwargs):
+        return Response(self._save(None, partial=False), status=status.HTTP_201_CREATED)
+
+    def update(self, request, *args, **kwargs):
+        return Response(self._save(self.get_object(), partial=kwargs.get("partial", False)))
+
+    def destroy(self, request, *args, **kwargs):
+        services.delete_split(request.user, self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -193,9 +193,8 @@ def _by_lookup(lookup: str) -> Credential | None:
         quote = connection.ops.quote_name
         parts, fields = [], []
         for alias, model in (("c", Credential), ("sc", ServiceClient), ("s", Scope)):
-            names = [f.attname for f in model._meta.concrete_fields]
             parts += [f"{alias}.{quote(f.column)}" for f in model._meta.concrete_fields]
-            fields.append(names)
+            fields.append(list(model._meta.concrete_fields))
         sql = (f"SELECT {', '.join(parts)} FROM {quote(Credential._meta.db_table)} c "
                f"JOIN {quote(ServiceClient._meta.db_table)} sc ON sc.{quote('id')} = c.{quote('client_id')} "
                f"JOIN {quote(Scope._meta.db_table)} s ON s.{quote('id')} = sc.{quote('project_id')} "
@@ -208,11 +207,18 @@ def _by_lookup(lookup: str) -> Credential | None:
     if row is None:
         return None
     first, second = len(credential_fields), len(credential_fields) + len(client_fields)
-    credential = Credential.from_db(connection.alias, credential_fields, row[:first])
-    client = ServiceClient.from_db(connection.alias, client_fields, row[first:second])
-    client.project = Scope.from_db(connection.alias, scope_fields, row[second:])
+    credential = _instance(Credential, credential_fields, row[:first])
+    client = _instance(ServiceClient, client_fields, row[first:second])
+    client.project = _instance(Scope, scope_fields, row[second:])
     credential.client = client
     return credential
+
+
+def _instance(model, fields, values):
+    """A model instance from raw column values, converted as the ORM would (JSON text to objects…)."""
+    converted = [field.from_db_value(value, None, connection) if hasattr(field, "from_db_value") else value
+                 for field, value in zip(fields, values)]
+    return model.from_db(connection.alias, [field.attname for field in fields], converted)
 
 
 def touch(credential: Credential, now=None) -> None:

@@ -140,3 +140,13 @@ def test_digest_depends_on_the_pepper(settings):
     first = keys.digest(secret)
     settings.KEY_PEPPER = "another-pepper-entirely-0123456789abcdef"
     assert keys.digest(secret) != first
+
+
+def test_authentication_returns_fields_as_the_orm_would(personas):
+    client = clients.create_client(personas.max_actor, personas.acme.project, "picky", allowed_models=["a", "b"])
+    credential, plaintext = clients.create_credential(personas.max_actor, client, lifetime=timedelta(days=1))
+    found = clients.authenticate(plaintext)
+    assert found.client.allowed_models == ["a", "b"] and found.client.allows_model("a")
+    assert not found.client.allows_model("c")
+    assert found.lifetime == timedelta(days=1) and found.public_id == credential.public_id
+    assert found.client.project.path == "acme/ml/search"
