@@ -13,6 +13,7 @@ accelerators — best fit — then fewest accelerators that still fit) or fewest
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Iterable
 
@@ -53,7 +54,10 @@ class Fleet:
                     self.free_acc[acc.id] = acc.memory_bytes
         self.on_node: dict[tuple[str, str], int] = {}
         self.count_on_node: dict[str, int] = {}
+        self.model_nodes: dict[str, dict[str, int]] = {}  # model → node → replicas there
         self.replicas: dict[str, ReplicaInfo] = {}
+        self._index: _Index | None = None
+        self._shared: dict = {}  # per node set, shared by copies: shapes, weights → nodes
         for replica in replicas:
             self.add(replica)
 
@@ -64,8 +68,55 @@ class Fleet:
         clone.mig_used = set(self.mig_used)
         clone.free_ram, clone.free_cores = dict(self.free_ram), dict(self.free_cores)
         clone.on_node, clone.count_on_node = dict(self.on_node), dict(self.count_on_node)
+        clone.model_nodes = {m: dict(v) for m, v in self.model_nodes.items()}
         clone.replicas = dict(self.replicas)
+        clone._shared = self._shared
+        clone._index = self.index().copy()  # built once on the original, then copied with it
+        clone._index.fleet = clone
         return clone
+
+    # --- the index of free room (built on first use, then kept up to date) -----------------------
+
+    def index(self) -> "_Index":
+        if self._index is None:
+            self._index = _Index(self)
+        return self._index
+
+    def shape(self, name: str) -> tuple:
+        """What about a node never changes in a pass: equal shapes with equal free room are
+        interchangeable for placement (but for their names, the last tie-break)."""
+        shapes = self._shared.setdefault("shapes", {})
+        found = shapes.get(name)
+        if found is None:
+            node = self.nodes[name]
+            found = (node.state, tuple(sorted(node.engines)), tuple(sorted(node.engines_installing)),
+                     tuple(sorted(node.labels.items())), node.cpu_count, node.memory_bytes, node.disk_free_bytes,
+                     tuple(sorted((a.accelerator_class, a.mig, a.placeable, a.memory_bytes is None,
+                                   a.unplaceable_reason) for a in node.accelerators)))
+            shapes[name] = found
+        return found
+
+    def weight_nodes(self, key: str) -> tuple[str, ...]:
+        if not key:
+            return ()
+        table = self._shared.get("weights")
+        if table is None:
+            table = {}
+            for node in self.nodes.values():
+                for w in node.weights:
+                    table.setdefault(w, []).append(node.name)
+            self._shared["weights"] = table
+        return tuple(table.get(key, ()))
+
+    def node_state(self, name: str) -> tuple:
+        """The free room of a node (what a placement there would see), in a comparable form."""
+        node = self.nodes[name]
+        frees = []
+        for acc in node.accelerators:
+            if acc.placeable and acc.id in self.free_acc and acc.id not in self.mig_used:
+                frees.append((self.free_acc[acc.id], acc.accelerator_class, acc.mig))
+        frees.sort()
+        return (tuple(frees), self.free_ram.get(name), self.free_cores.get(name), self.count_on_node.get(name, 0))
 
     def _apply(self, replica: ReplicaInfo, sign: int) -> None:
         node = replica.node
@@ -82,6 +133,12 @@ class Fleet:
         key = (node, replica.model)
         self.on_node[key] = self.on_node.get(key, 0) + sign
         self.count_on_node[node] = self.count_on_node.get(node, 0) + sign
+        per = self.model_nodes.setdefault(replica.model, {})
+        per[node] = per.get(node, 0) + sign
+        if per[node] <= 0:
+            del per[node]
+        if self._index is not None and node in self.nodes:
+            self._index.update(node)
 
     def add(self, replica: ReplicaInfo) -> None:
         self.replicas[replica.id] = replica
@@ -94,6 +151,81 @@ class Fleet:
 
     def total_free_bytes(self) -> int:
         return sum(v for v in self.free_acc.values() if v > 0) + sum(v for v in self.free_ram.values() if v and v > 0)
+
+
+class _Index:
+    """Nodes grouped by (shape, free room): members of a group are interchangeable but for their
+    names, so a placement looks at one member per group. ``levels`` lists, sorted, each distinct
+    free accelerator size of each group, so best fit walks up from the size a replica needs and
+    stops as soon as nothing further up can fit better. Updated node by node as the working copy
+    changes; copied with it."""
+
+    def __init__(self, fleet: Fleet | None):
+        if fleet is None:
+            return
+        self.fleet = fleet
+        self.node_gid: dict[str, int] = {}
+        self.groups: dict[int, list[str]] = {}  # gid → member names, sorted
+        self.gid_of: dict[tuple, int] = {}
+        self.sig_of: dict[int, tuple] = {}
+        self.levels: list[tuple[int, int]] = []  # (free bytes, gid)
+        self.next_gid = 0
+        for name in fleet.nodes:  # sorted by name: members lists stay sorted by appending
+            self._join(name, self._sig(name), sorted_append=True)
+
+    def copy(self) -> "_Index":
+        clone = _Index(None)
+        clone.fleet = None  # set by the fleet that owns it
+        clone.node_gid = dict(self.node_gid)
+        clone.groups = {g: list(m) for g, m in self.groups.items()}
+        clone.gid_of, clone.sig_of = dict(self.gid_of), dict(self.sig_of)
+        clone.levels = list(self.levels)
+        clone.next_gid = self.next_gid
+        return clone
+
+    def _sig(self, name: str) -> tuple:
+        return (self.fleet.shape(name), self.fleet.node_state(name))
+
+    def _join(self, name: str, sig: tuple, sorted_append: bool = False) -> None:
+        gid = self.gid_of.get(sig)
+        if gid is None:
+            gid = self.next_gid
+            self.next_gid += 1
+            self.gid_of[sig], self.sig_of[gid] = gid, sig
+            self.groups[gid] = [name]
+            for free in sorted({f for f, _, _ in sig[1][0]}):
+                bisect.insort(self.levels, (free, gid))
+        elif sorted_append:
+            self.groups[gid].append(name)
+        else:
+            bisect.insort(self.groups[gid], name)
+        self.node_gid[name] = gid
+
+    def _leave(self, name: str) -> None:
+        gid = self.node_gid.pop(name)
+        members = self.groups[gid]
+        members.pop(bisect.bisect_left(members, name))
+        if not members:
+            sig = self.sig_of.pop(gid)
+            del self.groups[gid], self.gid_of[sig]
+            for free in {f for f, _, _ in sig[1][0]}:
+                i = bisect.bisect_left(self.levels, (free, gid))
+                del self.levels[i]
+
+    def update(self, name: str) -> None:
+        sig = self._sig(name)
+        gid = self.node_gid.get(name)
+        if gid is not None and self.sig_of[gid] == sig:
+            return
+        if gid is not None:
+            self._leave(name)
+        self._join(name, sig)
+
+    def representative(self, gid: int, skip) -> str | None:
+        for name in self.groups[gid]:
+            if name not in skip:
+                return name
+        return None
 
 
 # --- filters -------------------------------------------------------------------------------------
@@ -154,25 +286,42 @@ def accelerator_reasons(node: NodeInfo, profile: Profile) -> list[str]:
     return reasons
 
 
+def _profile_sig(profile: Profile) -> tuple:
+    """What the static filters read of a profile: profiles alike in these share cached results."""
+    return (profile.engine, tuple(sorted(profile.node_selector.items())), profile.accelerator_class, profile.gpus,
+            profile.allow_mig)
+
+
 class Placer:
-    """Places replicas on a :class:`Fleet`; static filter results are cached per pass."""
+    """Places replicas on a :class:`Fleet`; static filter results are cached per pass (per node
+    and profile signature, so two models with alike profiles share them)."""
 
     def __init__(self):
-        self._static: dict[tuple[str, int], str] = {}
-        self._usable: dict[tuple[str, int], list] = {}
+        self._static: dict[tuple, str] = {}
+        self._usable_ids: dict[tuple, list] = {}
+        self.detailed_checks = 0  # how many (node, profile) dynamic checks were made (for the benchmark)
 
-    def _static_for(self, node: NodeInfo, profile: Profile) -> str:
-        key = (node.name, id(profile))
+    def static_for(self, node: NodeInfo, profile: Profile) -> str:
+        key = (node.name, _profile_sig(profile))
         reason = self._static.get(key)
         if reason is None:
             reason = static_reason(node, profile)
             self._static[key] = reason
             if not reason and profile.on_gpu:
-                self._usable[key] = [a.id for a in _class_accelerators(node, profile)]
+                self._usable_ids[key] = [a.id for a in _class_accelerators(node, profile)]
         return reason
+
+    _static_for = static_for
+
+    def usable(self, node: NodeInfo, profile: Profile) -> list:
+        """The accelerator ids of ``node`` this (GPU) profile may use; [] when the node is filtered out."""
+        if self.static_for(node, profile):
+            return []
+        return self._usable_ids.get((node.name, _profile_sig(profile)), [])
 
     def dynamic_reason(self, fleet: Fleet, node: NodeInfo, model: DesiredModel, profile: Profile,
                        extra_bytes: int = 0) -> tuple[str, Spot | None]:
+        self.detailed_checks += 1
         name = node.name
         need = profile.memory_bytes + extra_bytes
         if profile.cpu_cores:
@@ -188,7 +337,7 @@ class Placer:
         spread = fleet.on_node.get((name, model.id), 0)
         if profile.on_gpu:
             free_acc, mig_used, info = fleet.free_acc, fleet.mig_used, fleet.acc_info
-            fitting = [(free_acc[a], info[a].index, a) for a in self._usable[(name, id(profile))]
+            fitting = [(free_acc[a], info[a].index, a) for a in self._usable_ids[(name, _profile_sig(profile))]
                        if free_acc[a] >= need and a not in mig_used]
             if len(fitting) < profile.gpus:
                 return (f"{name} has {len(fitting)} accelerator(s) with {gib(need)} free, needs {profile.gpus}", None)
@@ -203,19 +352,76 @@ class Placer:
         key = (spread, not holds, fleet.count_on_node.get(name, 0), name)
         return "", Spot(name, (), need, profile.cpu_cores, key)
 
+    def _spot_at(self, fleet: Fleet, name: str, model: DesiredModel, profile: Profile, extra_bytes: int):
+        node = fleet.nodes[name]
+        if self.static_for(node, profile):
+            return None
+        return self.dynamic_reason(fleet, node, model, profile, extra_bytes)[1]
+
     def best_spot(self, fleet: Fleet, model: DesiredModel, profile: Profile, extra_bytes: int = 0,
                   reasons: list | None = None) -> Spot | None:
+        """The best spot by the order (spread, weights held, best fit, name), or None.
+
+        With ``reasons`` every node is checked and each rejection is recorded (explain, and the
+        reason a model is unschedulable). Without, the fleet's index is used: the few nodes where
+        the model already runs or whose disk holds its weights are checked one by one, the rest
+        one node per group of interchangeable nodes, walking up from the free size needed and
+        stopping once nothing further up can fit better — the same answer as checking every node.
+        """
+        if reasons is not None:
+            return self._scan(fleet, model, profile, extra_bytes, reasons)
+        index = fleet.index()
+        special = set(fleet.model_nodes.get(model.id, ())) | set(fleet.weight_nodes(model.weights_key))
+        best = None
+        for name in sorted(special):
+            if name not in fleet.nodes:
+                continue
+            spot = self._spot_at(fleet, name, model, profile, extra_bytes)
+            if spot is not None and (best is None or spot.key < best.key):
+                best = spot
+        if best is not None and best.key[0] == 0 and not best.key[1]:
+            return best  # holds the weights, none of its replicas there: nothing else comes first
+        general = None
+        if profile.on_gpu:
+            need = profile.memory_bytes + extra_bytes
+            levels, seen = index.levels, set()
+            i = bisect.bisect_left(levels, (need, -1))
+            while i < len(levels):
+                free, gid = levels[i]
+                i += 1
+                if general is not None and profile.gpus * (free - need) > general.key[2]:
+                    break
+                if gid in seen:
+                    continue
+                seen.add(gid)
+                name = index.representative(gid, special)
+                if name is None:
+                    continue
+                spot = self._spot_at(fleet, name, model, profile, extra_bytes)
+                if spot is not None and (general is None or spot.key < general.key):
+                    general = spot
+        else:
+            for gid in sorted(index.groups):
+                name = index.representative(gid, special)
+                if name is None:
+                    continue
+                spot = self._spot_at(fleet, name, model, profile, extra_bytes)
+                if spot is not None and (general is None or spot.key < general.key):
+                    general = spot
+        if general is not None and (best is None or general.key < best.key):
+            return general
+        return best
+
+    def _scan(self, fleet: Fleet, model: DesiredModel, profile: Profile, extra_bytes: int, reasons: list):
         best = None
         for node in fleet.nodes.values():
-            reason = self._static_for(node, profile)
+            reason = self.static_for(node, profile)
             if reason:
-                if reasons is not None:
-                    reasons.append((profile.name, node.name, reason))
+                reasons.append((profile.name, node.name, reason))
                 continue
             reason, spot = self.dynamic_reason(fleet, node, model, profile, extra_bytes)
             if spot is None:
-                if reasons is not None:
-                    reasons.append((profile.name, node.name, reason))
+                reasons.append((profile.name, node.name, reason))
                 continue
             if best is None or spot.key < best.key:
                 best = spot

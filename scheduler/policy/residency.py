@@ -19,6 +19,9 @@ from scheduler.policy.quotas import Quotas, need_of
 
 DEFAULT_LOAD_S = 60.0
 RESTART_LIMIT, RESTARTS = 60, 64  # small batches get perturbed restarts of the greedy
+EXACT_DEMANDS, EXACT_ACCELERATORS = 40, 64  # small enough for a bounded exact search
+EXACT_NODES = 20_000
+PAIR_ACCELERATORS, PAIR_NODES = 16, 2_000  # the pairwise repack: at most 120 pairs, each searched this far  # search nodes: a fixed budget (not a time limit), so the result is deterministic
 
 
 def desired_count(model: DesiredModel, replicas: Sequence[ReplicaInfo], now: float) -> tuple[int, int, str]:
@@ -166,7 +169,175 @@ def pack(demands: Sequence[Demand], fleet: Fleet, quotas: Quotas, placer: Placer
             best = (placed, unplaced, trial_fleet, trial_quotas)
         if not unplaced:
             break
+    if best[1] and len(demands) <= EXACT_DEMANDS and not quotas.governed:
+        found = _exact(demands, fleet, placer, best_value=_score(best[0])[0])
+        if found is not None:
+            trial_fleet, trial_quotas = fleet.copy(), quotas.copy()
+            placed, taken = [], set()
+            for demand, profile, acc_id, need in found:
+                node_name = fleet.acc_node[acc_id]
+                placed.append(commit(demand, profile, Spot(node_name, (acc_id,), need, profile.cpu_cores),
+                                     trial_fleet, trial_quotas, now))
+                taken.add(demand.key)
+            rest = [d for d in by_density if d.key not in taken]
+            more, unplaced = _greedy(rest, trial_fleet, trial_quotas, placer, now)  # what the search left out
+            placed.extend(more)
+            if _score(placed) > _score(best[0]):
+                best = (placed, unplaced, trial_fleet, trial_quotas)
+        if best[1]:
+            _repack_pairs(best[0], best[1], best[2], best[3], placer, now)
     return best
+
+
+def _repack_pairs(placed: list[Placed], unplaced: list[Demand], fleet: Fleet, quotas: Quotas, placer: Placer,
+                  now: float, rounds: int = 8) -> None:
+    """A local search for small batches: for each pair of accelerators, take out what this pack
+    placed on them and solve the pair exactly with those and every demand still unplaced; keep a
+    better answer. Residents stay where they are. Changes ``placed``, ``unplaced``, ``fleet``,
+    ``quotas`` in place."""
+    accs = sorted({p.spot.accelerators[0] for p in placed if len(p.spot.accelerators) == 1})
+    others = sorted(a for a in fleet.free_acc if a not in accs and fleet.free_acc[a] > 0)
+    accs = sorted(set(accs) | set(others))
+    if len(accs) > PAIR_ACCELERATORS:
+        return
+    for _ in range(rounds):
+        improved = False
+        for x in range(len(accs)):
+            for y in range(x + 1, len(accs)):
+                if not unplaced:
+                    return
+                pair = {accs[x], accs[y]}
+                inside = [p for p in placed if len(p.spot.accelerators) == 1 and p.spot.accelerators[0] in pair]
+                trial = fleet.copy()
+                for p in inside:
+                    trial.remove(p.replica.id)
+                found = _exact([p.demand for p in inside] + list(unplaced), trial, placer,
+                               best_value=sum(p.demand.value for p in inside), only=pair, nodes=PAIR_NODES)
+                if found is None:
+                    continue
+                for p in inside:
+                    fleet.remove(p.replica.id)
+                    quotas.remove(p.replica)
+                    placed.remove(p)
+                keys = set()
+                for demand, profile, acc_id, need in found:
+                    placed.append(commit(demand, profile, Spot(fleet.acc_node[acc_id], (acc_id,), need,
+                                                               profile.cpu_cores), fleet, quotas, now))
+                    keys.add(demand.key)
+                pool = [d for d in unplaced if d.key not in keys] + [p.demand for p in inside if p.demand.key not in keys]
+                unplaced[:] = sorted(pool, key=lambda d: (-d.value / d.cost, -d.value, d.key))
+                improved = True
+        if not improved:
+            return
+
+
+def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: float, *,
+           only: set[str] | None = None, nodes: int = EXACT_NODES):
+    """A bounded branch and bound over single-accelerator placements of a small batch: each demand
+    (by worth per byte) goes on one of the accelerators that can take it, or is left out; the bound
+    is the fractional knapsack of what is left over the free memory left. Returns the best
+    assignment found worth more than ``best_value`` — [(demand, profile, accelerator, bytes)] — or
+    None. The node budget is a count, not a time, so the answer is the same on every run."""
+    options_of: dict[tuple, list[tuple]] = {}
+    acc_ids: set[str] = set()
+    cores_used = False
+    for demand in demands:
+        mine = []
+        for profile in demand.profiles:
+            if profile.gpus != 1:
+                continue
+            need = profile.memory_bytes + demand.extra_bytes
+            holds_key = demand.model.weights_key
+            for node in fleet.nodes.values():
+                usable = placer.usable(node, profile)
+                if not usable:
+                    continue
+                holds = bool(holds_key) and holds_key in node.weights
+                if profile.min_disk_bytes and not holds and node.disk_free_bytes is not None \
+                        and node.disk_free_bytes < profile.min_disk_bytes:
+                    continue
+                for acc_id in usable:
+                    if only is not None and acc_id not in only:
+                        continue
+                    if acc_id in fleet.mig_used or fleet.free_acc.get(acc_id, -1) < need:
+                        continue
+                    mine.append((profile, acc_id, need, profile.cpu_cores))
+                    acc_ids.add(acc_id)
+                    cores_used = cores_used or bool(profile.cpu_cores)
+        options_of[demand.key] = mine
+
+    def smallest(d: Demand) -> int:
+        return max(min((o[2] for o in options_of[d.key]), default=1), 1)
+
+    # Worth per byte of the smallest way to place it: the order the fractional bound needs.
+    order = sorted(demands, key=lambda d: (-d.value / smallest(d), -d.value, d.key))
+    options = [options_of[d.key] for d in order]
+    if len(acc_ids) > EXACT_ACCELERATORS:
+        return None
+    free = {a: fleet.free_acc[a] for a in sorted(acc_ids)}
+    mig = {a for a in free if fleet.acc_info[a].mig}
+    cores = dict(fleet.free_cores)
+    # Which demands may use each accelerator: two with equal free room and equal users are interchangeable.
+    users: dict[str, tuple] = {a: () for a in free}
+    for i, mine in enumerate(options):
+        for _, acc_id, _, _ in mine:
+            users[acc_id] += (i,)
+    values = [d.value for d in order]
+    sizes = [smallest(d) for d in order]
+    n = len(order)
+    best = {"value": best_value + 1e-9, "assign": None}
+    chosen: list = [None] * n
+    budget = [nodes]
+
+    def bound(i: int, value: float) -> float:
+        room = sum(v for a, v in free.items() if a not in mig or v == fleet.free_acc[a])
+        for j in range(i, n):
+            if not options[j]:
+                continue
+            if sizes[j] <= room:
+                room -= sizes[j]
+                value += values[j]
+            else:
+                return value + values[j] * room / max(sizes[j], 1)
+        return value
+
+    def search(i: int, value: float) -> None:
+        if budget[0] <= 0:
+            return
+        budget[0] -= 1
+        if i == n:
+            if value > best["value"]:
+                best["value"], best["assign"] = value, list(chosen)
+            return
+        if bound(i, value) <= best["value"]:
+            return
+        seen = set()
+        for option in sorted(options[i], key=lambda o: (free[o[1]], o[1])):
+            profile, acc_id, need, cpu = option
+            node_name = fleet.acc_node[acc_id]
+            if free[acc_id] < need or (acc_id in mig and free[acc_id] != fleet.free_acc[acc_id]):
+                continue
+            if cpu and cores.get(node_name) is not None and cores[node_name] < cpu:
+                continue
+            same = (profile.name, free[acc_id], acc_id in mig, users[acc_id], node_name if cores_used else "")
+            if same in seen:
+                continue
+            seen.add(same)
+            free[acc_id] -= need
+            if cpu and cores.get(node_name) is not None:
+                cores[node_name] -= cpu
+            chosen[i] = option
+            search(i + 1, value + values[i])
+            chosen[i] = None
+            free[acc_id] += need
+            if cpu and cores.get(node_name) is not None:
+                cores[node_name] += cpu
+        search(i + 1, value)
+
+    search(0, 0.0)
+    if best["assign"] is None:
+        return None
+    return [(order[i], o[0], o[1], o[2]) for i, o in enumerate(best["assign"]) if o is not None]
 
 
 def _improve(placed: list[Placed], unplaced: list[Demand], fleet: Fleet, quotas: Quotas, placer: Placer,
@@ -187,7 +358,7 @@ def _improve(placed: list[Placed], unplaced: list[Demand], fleet: Fleet, quotas:
                 need = profile.memory_bytes + demand.extra_bytes
                 for acc_id in sorted(on_acc):
                     node = fleet.nodes[fleet.acc_node[acc_id]]
-                    if placer._static_for(node, profile) or acc_id not in placer._usable[(node.name, id(profile))]:
+                    if acc_id not in placer.usable(node, profile):
                         continue
                     free = fleet.free_acc.get(acc_id, 0)
                     out, gained, lost = [], free, 0.0
@@ -249,8 +420,7 @@ def _shift(demand: Demand, placed: list[Placed], on_acc: dict, fleet: Fleet, quo
         need = profile.memory_bytes + demand.extra_bytes
         for acc_id in sorted(on_acc):
             node = fleet.nodes[fleet.acc_node[acc_id]]
-            if fleet.acc_info[acc_id].mig or placer._static_for(node, profile) \
-                    or acc_id not in placer._usable[(node.name, id(profile))]:
+            if fleet.acc_info[acc_id].mig or acc_id not in placer.usable(node, profile):
                 continue
             free = fleet.free_acc.get(acc_id, 0)
             for p in sorted(on_acc[acc_id], key=lambda p: (p.replica.memory_bytes, p.demand.key)):
@@ -262,8 +432,7 @@ def _shift(demand: Demand, placed: list[Placed], on_acc: dict, fleet: Fleet, quo
                     if other == acc_id or fleet.free_acc[other] < moved or fleet.acc_info[other].mig:
                         continue
                     other_node = fleet.nodes[fleet.acc_node[other]]
-                    if placer._static_for(other_node, p.profile) or p.profile.gpus != 1 \
-                            or other not in placer._usable[(other_node.name, id(p.profile))]:
+                    if p.profile.gpus != 1 or other not in placer.usable(other_node, p.profile):
                         continue
                     target = other
                     break
