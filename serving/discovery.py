@@ -34,6 +34,28 @@ def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return values
 
 
+WEIGHT_SUFFIXES = {".gguf": "gguf", ".safetensors": "safetensors"}
+MAX_REPORTED_WEIGHTS = 5000  # per directory: a heartbeat stays small whatever lies on the disk
+
+
+def model_directories() -> tuple:
+    """The weights this node holds under its model directories (BERTH_MODEL_ROOTS), by relative path."""
+    from scheduler.reports import HeldWeightReport, ModelDirectoryReport
+
+    reports = []
+    for root in settings.SCHEDULER_MODEL_ROOTS:
+        weights = []
+        if root.is_dir():
+            for path in sorted(root.rglob("*")):
+                if path.suffix in WEIGHT_SUFFIXES and path.is_file():
+                    weights.append(HeldWeightReport(path=str(path.relative_to(root)), size_bytes=path.stat().st_size,
+                                                    format=WEIGHT_SUFFIXES[path.suffix]))
+                    if len(weights) >= MAX_REPORTED_WEIGHTS:
+                        break
+        reports.append(ModelDirectoryReport(path=str(root), weights=tuple(weights)))
+    return tuple(reports)
+
+
 def local_node_report() -> NodeReport:
     memory = meminfo()
     return NodeReport(
@@ -46,4 +68,5 @@ def local_node_report() -> NodeReport:
         engines=tuple(local_engines()),
         cpu_load_1m=os.getloadavg()[0],
         gpus=discover_gpus(),
+        model_directories=model_directories(),
     )

@@ -287,3 +287,17 @@ def visible_entries(caller):
         return queryset
     owned = access.visible_to(caller, queryset.filter(owner__isnull=False), "owner")
     return queryset.filter(Q(owner__isnull=True) | Q(pk__in=owned.values("pk")))
+
+
+def nodes_holding(paths: list[str]) -> dict[str, list[str]]:
+    """{file path: names of the nodes whose model directories hold it}, as the nodes last reported."""
+    from scheduler.models import ModelDirectory
+
+    wanted = set(paths)
+    held: dict[str, list[str]] = {}
+    for directory in ModelDirectory.objects.select_related("node").prefetch_related("weights"):
+        for weight in directory.weights.all():
+            full = str(Path(directory.path) / weight.path)
+            if full in wanted:
+                held.setdefault(full, []).append(directory.node.name)
+    return {path: sorted(names) for path, names in held.items()}

@@ -67,4 +67,5 @@ class FileTable(Table):
         Column("SHA-256", lambda f: f.sha256[:16]),
         Column("Verified", lambda f: "quarantined" if f.quarantined else ("yes" if f.verified else "no")),
         Column("Node", lambda f: f.node.name if f.node else "control plane"),
+        Column("Held on", lambda f: ", ".join(getattr(f, "held_on", ()))),
     )

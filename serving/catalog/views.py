@@ -92,7 +92,11 @@ class ModelCardView(LoginRequiredMixin, PageView):
             verdict = servability.check(entries.served_path(entry))
         except BerthError as error:
             context["not_servable"] = error.message
-        context.update(entry=entry, files=FileTable(entry.files.select_related("node")), verdict=verdict, tab="held",
+        files = list(entry.files.select_related("node"))
+        held = entries.nodes_holding([f.path for f in files])
+        for file in files:
+            file.held_on = held.get(file.path, [])
+        context.update(entry=entry, files=FileTable(files), verdict=verdict, tab="held",
                        replicas=[(d, r) for d in entry.deployments for r in d.replica_set.all() if r.state in room.LIVE],
                        room=room.room_for_more(entry), where=entry.placement)
         return context

@@ -98,3 +98,22 @@ def test_removing_files_is_refused_while_a_replica_uses_them_and_gc_collects_orp
     ModelFile.objects.create(path=str(orphan), repo_path="orphan.gguf", size=10)
     assert entries.garbage_collect(ADMIN) == {"files": 1, "bytes": 10}
     assert not orphan.exists() and not ModelFile.objects.exists()
+
+
+def test_the_card_says_which_nodes_hold_each_file(db, client, admin_user, tmp_path, settings, tiny_model):
+    import dataclasses
+    import shutil as copier
+
+    from scheduler.services import register_node
+    from serving.catalog.entries import import_local
+    from serving.discovery import local_node_report
+    from tenancy.audit import Actor
+
+    root = tmp_path / "models"
+    root.mkdir()
+    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
+    entry = import_local(Actor(system="tests"), copier.copy(tiny_model, tmp_path / "t.gguf"), name="held-here")
+    register_node(dataclasses.replace(local_node_report(), name="holder"))  # its heartbeat lists the weights
+    client.force_login(admin_user)
+    page = client.get(f"/models/held/{entry.public_id}/").content.decode()
+    assert "Held on" in page and "holder" in page
