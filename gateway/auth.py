@@ -49,7 +49,9 @@ def load_principal(plaintext: str) -> tuple[Principal, float | None]:
     client = credential.client
     project = client.project
     chain = {contract.scope.path: contract for contract in contracts.limit_chain(project)}
-    levels = [Level("client", f"client:{client.public_id}", client.rpm_limit, client.tpm_limit,
+    levels = [Level("key", f"key:{credential.public_id}", credential.rpm_limit, credential.tpm_limit,
+                    credential.concurrency_limit),
+              Level("client", f"client:{client.public_id}", client.rpm_limit, client.tpm_limit,
                     client.concurrency_limit)]
     budgets = []
     kinds = ("project", "team", "org")

@@ -170,7 +170,8 @@ class CredentialSerializer(serializers.ModelSerializer):
     class Meta:
         model = Credential
         fields = ["id", "client", "client_written", "name", "prefix", "state", "created_by", "created_at",
-                  "lifetime_days", "expires_at", "revoked_at", "last_used_at", "replaces"]
+                  "lifetime_days", "expires_at", "revoked_at", "last_used_at", "replaces", "rpm_limit", "tpm_limit",
+                  "concurrency_limit"]
 
     def get_lifetime_days(self, credential: Credential) -> float | None:
         return credential.lifetime.total_seconds() / 86400 if credential.lifetime else None
@@ -192,6 +193,9 @@ class CredentialCreateSerializer(serializers.Serializer):
                                              default=None, help_text="Unset: the key does not expire.")
     approval = serializers.UUIDField(required=False, allow_null=True, default=None,
                                      help_text="An approved request's id (production clients' keys need one).")
+    rpm_limit = serializers.IntegerField(min_value=1, required=False, allow_null=True, default=None)
+    tpm_limit = serializers.IntegerField(min_value=1, required=False, allow_null=True, default=None)
+    concurrency_limit = serializers.IntegerField(min_value=1, required=False, allow_null=True, default=None)
 
 
 class CredentialRotateSerializer(serializers.Serializer):

@@ -197,8 +197,9 @@ class CredentialViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenanc
         client = get_object_or_404(access.visible_to(request.user, ServiceClient.objects.select_related("project"),
                                                      "project"), public_id=data["client"])
         lifetime = timedelta(days=data["lifetime_days"]) if data["lifetime_days"] else None
-        credential, plaintext = clients.create_credential(self.actor, client, name=data["name"], lifetime=lifetime,
-                                                          approval=data["approval"])
+        credential, plaintext = clients.create_credential(
+            self.actor, client, name=data["name"], lifetime=lifetime, approval=data["approval"],
+            **{name: data[name] for name in clients.KEY_LIMITS})
         return self._created(credential, plaintext)
 
     @extend_schema(request=None, responses=s.CredentialSerializer)

@@ -92,6 +92,10 @@ class Credential(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     replaces = models.OneToOneField("self", null=True, blank=True, on_delete=models.SET_NULL,
                                     related_name="replaced_by")
+    # The key's own limits, a level below its client's (unset: none of its own).
+    rpm_limit = models.PositiveIntegerField(null=True, blank=True)
+    tpm_limit = models.PositiveIntegerField(null=True, blank=True)
+    concurrency_limit = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -87,29 +87,46 @@ def production_evidence(client: ServiceClient) -> dict:
             "active": client.is_active}
 
 
+KEY_LIMITS = ("rpm_limit", "tpm_limit", "concurrency_limit")
+
+
 def create_credential(actor: Actor, client: ServiceClient, *, name: str = "", lifetime: timedelta | None = None,
-                      approval=None) -> tuple[Credential, str]:
-    """A new key for ``client``; returns (credential, plaintext). The plaintext exists only here."""
+                      approval=None, **limits) -> tuple[Credential, str]:
+    """A new key for ``client``; returns (credential, plaintext). The plaintext exists only here.
+    ``limits``: the key's own rpm_limit, tpm_limit, concurrency_limit (each optional)."""
     access.require(actor, "use", client)
+    _validate_limits(limits)
     if lifetime is not None and lifetime <= timedelta(0):
         raise InvalidTree("A key's lifetime must be positive (or unset for no expiry).", details={"lifetime": "positive"})
     with transaction.atomic():
         if client.environment == ServiceClient.Environment.PRODUCTION:
             approvals.consume(actor, "credential.create_production", client.project, client,
                               production_evidence(client), approval)
-        credential, plaintext = _mint(actor, client, name=name, lifetime=lifetime)
+        credential, plaintext = _mint(actor, client, name=name, lifetime=lifetime, limits=limits)
         audit.record(actor, "credential.create", credential,
-                     details={"client": str(client), "prefix": credential.prefix, "expires_at": credential.expires_at})
+                     details={"client": str(client), "prefix": credential.prefix, "expires_at": credential.expires_at,
+                              **{k: v for k, v in limits.items() if v is not None}})
     return credential, plaintext
 
 
+def _validate_limits(limits: dict) -> None:
+    problems = {name: "unknown limit" for name in limits if name not in KEY_LIMITS}
+    for name in KEY_LIMITS:
+        value = limits.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            problems[name] = "a whole number of at least 1, or null for no limit of the key's own"
+    if problems:
+        raise InvalidTree("The key's limits are invalid.", details=problems)
+
+
 def _mint(actor: Actor, client: ServiceClient, *, name: str, lifetime: timedelta | None,
-          replaces: Credential | None = None) -> tuple[Credential, str]:
+          replaces: Credential | None = None, limits: dict | None = None) -> tuple[Credential, str]:
     plaintext, lookup, secret = keys.new_key()
     now = timezone.now()
     credential = Credential.objects.create(
         client=client, name=(name or "").strip()[:100], lookup=lookup, secret_hash=keys.digest(secret),
-        created_by=actor.user, lifetime=lifetime, expires_at=now + lifetime if lifetime else None, replaces=replaces)
+        created_by=actor.user, lifetime=lifetime, expires_at=now + lifetime if lifetime else None, replaces=replaces,
+        **(limits or {}))
     return credential, plaintext
 
 
@@ -138,7 +155,8 @@ def rotate_credential(actor: Actor, credential: Credential, overlap: timedelta =
             raise InvalidTree("Only a working key can be rotated; create a new one instead.")
         if hasattr(old, "replaced_by"):
             raise AlreadyExists("This key was already rotated.")
-        new, plaintext = _mint(actor, old.client, name=old.name, lifetime=old.lifetime, replaces=old)
+        new, plaintext = _mint(actor, old.client, name=old.name, lifetime=old.lifetime, replaces=old,
+                               limits={name: getattr(old, name) for name in KEY_LIMITS})
         old.expires_at = min(filter(None, [old.expires_at, now + overlap]))
         old.save(update_fields=["expires_at"])
         audit.record(actor, "credential.rotate", new, details={"old": old.prefix, "new": new.prefix,

@@ -112,3 +112,16 @@ def test_hard_budget_refuses_once_spent_and_soft_budget_warns(gateway, gateway_b
     soft = make_key()  # a new key: its limits are read fresh
     answer = complete(gateway, soft.key)
     assert answer.status_code == 200 and "x-berth-budget-warning" in answer.headers
+
+
+def test_a_keys_own_limit_binds_before_its_clients(gateway, tiny_engine, deploy, make_key, tree):
+    from tenancy.services import clients
+
+    deploy("tiny", tiny_engine, task="completion")
+    caller = make_key(rpm_limit=10)
+    _, tight = clients.create_credential(tree.actor, caller.client, rpm_limit=2)
+    away_from_a_minute_boundary()
+    answers = [complete(gateway, tight) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert answers[0].headers["x-ratelimit-limit-requests"] == "2"
+    assert complete(gateway, caller.key).status_code == 200  # the client's other key has room of its own

@@ -150,3 +150,14 @@ def test_authentication_returns_fields_as_the_orm_would(personas):
     assert not found.client.allows_model("c")
     assert found.lifetime == timedelta(days=1) and found.public_id == credential.public_id
     assert found.client.project.path == "acme/ml/search"
+
+
+def test_key_limits_are_validated_and_carried_over_on_rotation(personas, client_app):
+    from tenancy.errors import InvalidTree
+
+    with pytest.raises(InvalidTree) as refused:
+        clients.create_credential(personas.max_actor, client_app, rpm_limit=0, colour=1)
+    assert set(refused.value.details) == {"rpm_limit", "colour"}
+    credential, _ = clients.create_credential(personas.max_actor, client_app, rpm_limit=60, concurrency_limit=2)
+    new, _ = clients.rotate_credential(personas.max_actor, credential)
+    assert (new.rpm_limit, new.tpm_limit, new.concurrency_limit) == (60, None, 2)
