@@ -204,8 +204,8 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # Periodic work, one named table (beat copies it into the database at start; the admin can pause entries).
 CELERY_BEAT_SCHEDULE = {
     "scheduler: mark nodes without heartbeats lost": {"task": "scheduler.mark_lost_nodes", "schedule": 30.0},
-    "serving: fail replicas of lost nodes, unload idle on-demand models": {"task": "serving.reconcile",
-                                                                           "schedule": 15.0},
+    "serving: lost nodes, idle on-demand models, the placement plan": {"task": "serving.reconcile",
+                                                                         "schedule": 15.0},
     "gateway: write usage parked while the database refused it": {"task": "gateway.retry_usage", "schedule": 60.0},
 }
 CELERY_TIMEZONE = TIME_ZONE
@@ -315,4 +315,4 @@ CELERY_IMPORTS = [*globals().get("CELERY_IMPORTS", []), "serving.catalog.tasks"]
 # How many placement decisions (applied plans, explain and headroom dry runs) are kept as evidence.
 SCHEDULER_DECISION_HISTORY = env.integer("BERTH_SCHEDULER_DECISION_HISTORY", 10_000, minimum=100)
 # Serving's reconcile loop names its snapshot builder here so explain and headroom see its replicas.
-SCHEDULER_SNAPSHOT_PROVIDER = env.string("BERTH_SCHEDULER_SNAPSHOT_PROVIDER", "")
+SCHEDULER_SNAPSHOT_PROVIDER = env.string("BERTH_SCHEDULER_SNAPSHOT_PROVIDER", "serving.deployments.placement.snapshot")

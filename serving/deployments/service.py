@@ -46,6 +46,8 @@ class DeployRequest:
     owner: Scope | None = None
     priority: int = 50
     cores: int | None = None
+    # The placement loop adds replicas of a catalog model: more than one deployment serves its name.
+    another_replica: bool = False
 
 
 def estimation_config(engine: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +119,8 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
     reserve_bytes = result.estimate.total_bytes
     try:
         with transaction.atomic():
-            if Deployment.objects.filter(name=request.name.strip(), state__in=states.ACTIVE + (S.PLANNED,)).exists():
+            if not request.another_replica and Deployment.objects.filter(
+                    name=request.name.strip(), state__in=states.ACTIVE + (S.PLANNED,)).exists():
                 raise DeploymentConflict(f"A deployment already serves {request.name!r}; stop it or switch to the new one.")
             deployment = Deployment.objects.create(
                 name=request.name.strip(), task=request.task, engine=request.engine, runtime=request.runtime,
