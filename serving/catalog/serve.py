@@ -51,7 +51,8 @@ def _fail(job: FetchJob, name: str, reason: str) -> FetchJob:
 
 def run(job: FetchJob) -> FetchJob:
     from scheduler.models import Node
-    from serving.deployments import service
+    from serving.deployments import service, states
+    from serving.models import Deployment
 
     _step(job, "fetch", "running")
     fetched = fetch.run(job)
@@ -83,8 +84,10 @@ def run(job: FetchJob) -> FetchJob:
     if node is None:
         return _fail(job, "deploy", "No node is registered to run it on.")
     actor = Actor(user=job.created_by, system="serve_model")
+    # The placement loop may already have launched it (the entry wants a replica): wait for that one.
+    running = Deployment.objects.filter(name=entry.name, state__in=states.ACTIVE + ("planned",)).first()
     try:
-        deployment = service.deploy(actor, service.DeployRequest(
+        deployment = running or service.deploy(actor, service.DeployRequest(
             name=entry.name, model_path=str(path), node=node, task=entry.task, config={"context": context},
             owner=job.owner))
     except BerthError as error:
