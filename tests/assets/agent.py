@@ -13,7 +13,8 @@ from django.db import connection
 from tests.assets.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE = "agent-test-node"
+# One name per test run: two runs sharing a Redis database never consume each other's node queue.
+NODE = f"agent-test-node-{os.getpid()}"
 
 
 class Agent:
