@@ -460,6 +460,7 @@ class Gateway:
             raise QueueFull(f"Too many requests are waiting for {model} to load; retry later.",
                             details={"model": model, "queue": self.queue_size})
         self.waiting[model] = self.waiting.get(model, 0) + 1
+        metrics.WAITING.labels(model).inc()
         began = time.perf_counter()
         try:
             ticket = await run_db(routing.request_load, model)  # raises ModelNotLoadable: 503, no Retry-After
@@ -482,6 +483,7 @@ class Gateway:
                 await asyncio.sleep(min(0.25, left))
         finally:
             self.waiting[model] -= 1
+            metrics.WAITING.labels(model).dec()
             call.queue_ms = round((time.perf_counter() - began) * 1000, 3)
             metrics.QUEUE.labels(model).observe(call.queue_ms / 1000)
 
