@@ -73,7 +73,8 @@ def test_engine_starts_answers_the_probe_reports_peak_memory_and_stops(process_r
     assert exit is not None and not exit.out_of_memory
     assert not process_runtime.status(handle).running
     assert process_runtime.managed() == []
-    assert process_runtime.status(handle).peak_memory_bytes == status.peak_memory_bytes  # remembered
+    # Remembered after the exit: the last reading while it ran (stop() reads once more, so it may be higher).
+    assert process_runtime.status(handle).peak_memory_bytes >= status.peak_memory_bytes
 
 
 def test_engine_environment_holds_its_key_but_none_of_berths_secrets(process_runtime, engine, launch_spec,
