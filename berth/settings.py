@@ -282,8 +282,7 @@ GATEWAY_ACCESS_LOG = env.boolean("BERTH_GATEWAY_ACCESS_LOG", True)
 GATEWAY_INTERNAL_URL = env.string("BERTH_GATEWAY_INTERNAL_URL", "")
 
 # Serving: engines and runtimes
-# Model files a deployment may name: the same roots the scheduler's estimate reads (BERTH_MODEL_ROOTS).
-SERVING_MODEL_ROOTS = [Path(p).expanduser().resolve() for p in env.words("BERTH_MODEL_ROOTS", [str(DATA_DIR / "models")])]
+# Model files a deployment may name are SCHEDULER_MODEL_ROOTS (BERTH_MODEL_ROOTS), the estimate's too.
 # Pidfiles, exit files and logs of engines run as processes on this node.
 SERVING_ENGINE_DIR = env.path("BERTH_ENGINE_DIR", DATA_DIR / "engines", BASE_DIR)
 # Images are used only when already on the node unless pulling is allowed (most nodes reach no registry).

@@ -18,7 +18,7 @@ from django.db import transaction
 
 from berth.errors import BerthError
 from scheduler.models import Node
-from serving.catalog.entries import served_path
+from serving.catalog.entries import deploy_request
 from serving.catalog.models import ModelEntry
 from serving.deployments import service, states
 from serving.models import Deployment, DeploymentState as S
@@ -62,15 +62,10 @@ def load(name: str) -> Deployment:
 
 
 def _place(entry: ModelEntry) -> Deployment:
-    path = served_path(entry)
-    profile = entry.profiles[0] if entry.profiles else {}
-    config = {key: profile[key] for key in ("context", "parallel") if profile.get(key)}
     refusals = []
     for node in Node.objects.filter(state=Node.State.READY).order_by("name"):
         try:
-            return service.deploy(ACTOR, service.DeployRequest(
-                name=entry.name, model_path=str(path), node=node, task=entry.task, config=config,
-                owner=entry.owner, priority=profile.get("priority", 50)))
+            return service.deploy(ACTOR, deploy_request(entry, node))
         except BerthError as error:  # does not fit here: try the next node
             refusals.append(f"{node.name}: {error.message}")
     raise NotLoadable(f"{entry.name} fits on no node now ({'; '.join(refusals) or 'no ready node'}).",

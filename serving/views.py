@@ -13,8 +13,8 @@ from django.views import View
 
 from berth.errors import BerthError
 from berth.htmx import PageView, render_page
-from serving.api.views import visible_deployments
 from serving.deployments import operations, service
+from serving.deployments.service import visible_deployments
 from serving.forms import DeployForm
 from serving.models import Operation
 from serving.tables import DeploymentTable, EventTable, OperationTable

@@ -8,18 +8,11 @@ from scheduler.models import Accelerator, Node
 from serving.api.serializers import (DeployInputSerializer, DeploymentEventSerializer, DeploymentSerializer,
                                      OperationSerializer, ReconfigureInputSerializer, SwitchInputSerializer)
 from serving.deployments import operations, service
-from serving.models import Deployment, Operation
+from serving.deployments.service import visible_deployments
+from serving.models import Operation
 from tenancy import access
 from tenancy.audit import Actor
 from tenancy.services.tree import resolve_scope
-
-
-def visible_deployments(caller):
-    """Deployments whose owner scope the caller may see; ownerless ones are for administrators."""
-    queryset = Deployment.objects.select_related("node", "owner").prefetch_related("replica_set__node")
-    if access.is_superuser(caller):
-        return queryset
-    return access.visible_to(caller, queryset.filter(owner__isnull=False), "owner")
 
 
 def deploy_request(request, data) -> service.DeployRequest:

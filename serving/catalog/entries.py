@@ -301,3 +301,16 @@ def nodes_holding(paths: list[str]) -> dict[str, list[str]]:
             if full in wanted:
                 held.setdefault(full, []).append(directory.node.name)
     return {path: sorted(names) for path, names in held.items()}
+
+
+def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accelerator=None, another_replica=False):
+    """How one replica of a catalog model is deployed on ``node``: its profile's file and settings,
+    the entry's task and owner. On-demand loads and the placement loop both deploy through this."""
+    from serving.deployments.service import DeployRequest
+
+    chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None) or {}
+    return DeployRequest(
+        name=entry.name, model_path=str(served_path(entry, chosen.get("name"))), node=node,
+        engine=chosen.get("engine") or "llamacpp", task=entry.task,
+        config={key: chosen[key] for key in ("context", "parallel") if chosen.get(key)}, accelerator=accelerator,
+        owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica)

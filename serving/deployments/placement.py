@@ -23,7 +23,7 @@ from scheduler.policy.inputs import ReplicaInfo, Scaling, Snapshot
 from scheduler.snapshot import contracts_from_tenancy, inventory, reservations_as_replicas
 from serving import ondemand
 from serving.catalog import room
-from serving.catalog.entries import served_path
+from serving.catalog.entries import deploy_request
 from serving.catalog.models import ModelEntry
 from serving.deployments import service
 from serving.models import DeploymentState as S, Replica
@@ -94,15 +94,11 @@ def reconcile() -> dict:
         node = Node.objects.filter(name=launch.node).first()
         if entry is None or node is None:
             continue
-        profile = next((p for p in entry.profiles if (p.get("name") or "") == launch.profile), entry.profiles[0])
         accelerator = Accelerator.objects.filter(public_id__in=launch.accelerators).first() \
             if launch.accelerators else None
-        config = {key: profile[key] for key in ("context", "parallel") if profile.get(key)}
         try:
-            service.deploy(ACTOR, service.DeployRequest(
-                name=entry.name, model_path=str(served_path(entry, profile.get("name"))), node=node,
-                engine=profile.get("engine") or "llamacpp", task=entry.task, config=config, accelerator=accelerator,
-                owner=entry.owner, priority=int(profile.get("priority") or 50), another_replica=True))
+            service.deploy(ACTOR, deploy_request(entry, node, profile=launch.profile or None, accelerator=accelerator,
+                                                 another_replica=True))
             launched.append(entry.name)
         except BerthError as error:  # the next pass sees why (the node changed since the snapshot)
             log.warning("could not launch %s on %s: %s", entry.name, node.name, error.message)

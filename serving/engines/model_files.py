@@ -22,7 +22,7 @@ _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$"
 def allowed_roots() -> list[Path]:
     from django.conf import settings
 
-    return list(settings.SERVING_MODEL_ROOTS)
+    return list(settings.SCHEDULER_MODEL_ROOTS)  # one list of model directories for the estimate and the engines
 
 
 def _refuse(reason: str, message: str, path: str, roots: list[Path], **extra) -> ModelNotAllowed:

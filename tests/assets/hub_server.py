@@ -279,6 +279,5 @@ def mirror_root(tmp_path, settings):
     root = tmp_path / "models"
     root.mkdir()
     settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
-    settings.SERVING_MODEL_ROOTS = [root.resolve()]
     settings.SERVING_MIRROR_DISK_MARGIN_BYTES = 0
     return root.resolve()

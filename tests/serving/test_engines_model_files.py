@@ -121,7 +121,7 @@ def test_vllm_takes_a_complete_model_directory(roots):
 
 def test_settings_roots_are_used_when_none_are_given(settings, tmp_path, gguf_model):
     model = gguf_model()
-    settings.SERVING_MODEL_ROOTS = [model.parent]
+    settings.SCHEDULER_MODEL_ROOTS = [model.parent]
     assert validate_model_path(str(model)) == model.resolve()
-    settings.SERVING_MODEL_ROOTS = [tmp_path / "nowhere"]
+    settings.SCHEDULER_MODEL_ROOTS = [tmp_path / "nowhere"]
     assert reason(str(model), None) == "outside_roots"
