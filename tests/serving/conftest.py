@@ -1,7 +1,9 @@
-"""Fixtures for engines and runtimes: launch specs, runtimes that clean up after themselves."""
+"""Serving's fixtures: launch specs, runtimes that clean up after themselves, a model directory, and
+a real node agent with this machine registered under its node name."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import uuid
 
@@ -9,7 +11,9 @@ import pytest
 
 from serving.engines.base import LaunchSpec
 from serving.runtimes.process import ProcessRuntime
+from tests.assets.agent import NODE, Agent
 from tests.assets.llama_server import free_port
+from tests.assets.waiting import wait_until
 
 
 @pytest.fixture
@@ -80,3 +84,39 @@ def llamacpp_image():
     finally:
         client.close()
     return IMAGE
+
+
+@pytest.fixture
+def model_root(tmp_path, settings):
+    """The one model directory deployments may read from."""
+    root = tmp_path / "models"
+    root.mkdir()
+    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
+    return root
+
+
+@pytest.fixture
+def node(db):
+    """This machine, under the name the agent will use; its heartbeats keep the figures fresh."""
+    from scheduler.services import register_node
+    from serving.discovery import local_node_report
+
+    return register_node(dataclasses.replace(local_node_report(), name=NODE))
+
+
+@pytest.fixture
+def agent(tmp_path, model_root, node):
+    """A real agent on the node; whatever a test left running is stopped the way a person would."""
+    from serving.deployments import service
+    from serving.models import Deployment, Replica
+    from tenancy.audit import Actor
+
+    running = Agent(tmp_path, model_root)
+    yield running
+    for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
+        service.stop(Actor(system="tests"), deployment)
+    try:
+        wait_until(lambda: not Replica.objects.exclude(state__in=("stopped", "failed")).exists(), 60,
+                   what="every replica stopped")
+    finally:
+        running.stop()

@@ -25,7 +25,6 @@ def model(tmp_path, settings, tiny_model):
     root = tmp_path / "models"
     root.mkdir()
     settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
-    settings.SERVING_MODEL_ROOTS = [root.resolve()]
     return shutil.copy(tiny_model, root / "tiny.gguf")
 
 

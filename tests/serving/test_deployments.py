@@ -3,7 +3,6 @@ llama-server engines; the gate, readiness, failure and stop paths are observed i
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -12,8 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.services import register_node
-from serving.discovery import local_node_report
 from serving.deployments import service
 from serving.keys import replica_key
 from serving.models import Deployment, DeploymentEvent, Replica
@@ -26,33 +23,10 @@ ADMIN = Actor(system="tests")
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def model_root(tmp_path, settings):
-    root = tmp_path / "models"
-    root.mkdir()
-    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
-    settings.SERVING_MODEL_ROOTS = [root.resolve()]
-    return root
 
 
-@pytest.fixture
-def node(db):
-    # This machine, under the name the agent will use; its heartbeats keep the figures fresh.
-    return register_node(dataclasses.replace(local_node_report(), name=NODE))
 
 
-@pytest.fixture
-def agent(tmp_path, model_root, node):
-    running = Agent(tmp_path, model_root)
-    yield running
-    # Stop what the test left running, through the same path a person would use.
-    for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
-        service.stop(ADMIN, deployment)
-    try:
-        wait_until(lambda: not Replica.objects.exclude(state__in=("stopped", "failed")).exists(), 60,
-                   what="every replica stopped")
-    finally:
-        running.stop()
 
 
 def state_of(deployment: Deployment) -> str:

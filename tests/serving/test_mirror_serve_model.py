@@ -11,7 +11,6 @@ from django.core.management import CommandError, call_command
 from serving.catalog.models import FetchJob, ModelEntry
 from serving.models import Deployment
 from tests.assets.hub_server import hub  # noqa: F401  (fixture)
-from tests.serving.test_deployments import Agent, agent, model_root, node  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
 

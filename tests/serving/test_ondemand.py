@@ -6,47 +6,25 @@ import time
 import pytest
 from django.core.cache import cache
 
-from scheduler.models import Node
 from serving import ondemand
 from serving.catalog.entries import import_local
 from serving.catalog.models import ModelEntry
-from serving.deployments import service
 from serving.models import Deployment
 from serving.routing import ModelNotLoadable, request_load
 from tenancy.audit import Actor
-from tests.assets.agent import NODE, Agent
+from tests.assets.agent import NODE
 from tests.assets.waiting import wait_until
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def model_root(tmp_path, settings):
-    root = tmp_path / "models"
-    root.mkdir()
-    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
-    settings.SERVING_MODEL_ROOTS = [root.resolve()]
-    return root
 
 
-@pytest.fixture
-def agent(tmp_path, model_root):
-    import dataclasses
 
-    from scheduler.services import register_node
-    from serving.discovery import local_node_report
 
-    register_node(dataclasses.replace(local_node_report(), name=NODE))
-    cache.clear()
-    running = Agent(tmp_path, model_root)
-    yield running
-    for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
-        service.stop(Actor(system="tests"), deployment)
-    try:
-        wait_until(lambda: not Deployment.objects.exclude(state__in=("stopped", "failed")).exists(), 60,
-                   what="every deployment stopped")
-    finally:
-        running.stop()
+@pytest.fixture(autouse=True)
+def no_remembered_use():
+    cache.clear()  # last uses of earlier tests' models must not count here
 
 
 def on_demand_entry(tiny_model, tmp_path, name="lazy", idle=60):

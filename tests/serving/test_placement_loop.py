@@ -24,7 +24,6 @@ def setup(tmp_path, settings, tiny_model, monkeypatch):
     root = tmp_path / "models"
     root.mkdir()
     settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
-    settings.SERVING_MODEL_ROOTS = [root.resolve()]
     node = register_node(dataclasses.replace(local_node_report(), name="place-node"))
     sent = []
     monkeypatch.setattr(service, "dispatch", lambda operation, replica: sent.append((operation, replica.deployment.name)))

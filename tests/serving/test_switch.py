@@ -12,34 +12,15 @@ from serving.deployments import operations, service
 from serving.discovery import local_node_report
 from serving.models import Deployment, Operation
 from tenancy.audit import Actor
-from tests.assets.agent import NODE, Agent
+from tests.assets.agent import NODE
 from tests.assets.waiting import wait_until
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
 ADMIN = Actor(system="tests")
 
 
-@pytest.fixture
-def model_root(tmp_path, settings):
-    root = tmp_path / "models"
-    root.mkdir()
-    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
-    settings.SERVING_MODEL_ROOTS = [root.resolve()]
-    return root
 
 
-@pytest.fixture
-def agent(tmp_path, model_root):
-    register_node(dataclasses.replace(local_node_report(), name=NODE))
-    running = Agent(tmp_path, model_root)
-    yield running
-    for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
-        service.stop(ADMIN, deployment)
-    try:
-        wait_until(lambda: not Deployment.objects.exclude(state__in=("stopped", "failed")).exists(), 60,
-                   what="every deployment stopped")
-    finally:
-        running.stop()
 
 
 def ready_deployment(model: Path, name: str = "chat") -> Deployment:
