@@ -119,6 +119,7 @@ class DesiredModel:
     fallbacks: tuple[str, ...] = ()
     last_requested_at: float | None = None  # None: not known (never, or since a restart)
     waiting: int = 0  # requests waiting now for a model with no replica (an on-demand load)
+    waiting_since: float | None = None  # when the oldest of those began waiting
     extra: int = 0  # replicas added for load (scaling.step keeps it)
 
     @property
@@ -201,7 +202,8 @@ class Settings:
     park_after: int = PARK_AFTER
     base_backoff_s: float = 10
     max_backoff_s: float = 300
-    crash_retries: int = 3
+    crash_retries: int = 4  # the fifth crash in a row parks the model (park_after)
+    starved_after_s: float = 30  # a load waiting this long may push out idle replicas of its class worth more
     exhaustive_packing_limit: int = 400  # demands; above it, only the first greedy ordering is tried
 
 

@@ -55,6 +55,7 @@ class Fleet:
         self.on_node: dict[tuple[str, str], int] = {}
         self.count_on_node: dict[str, int] = {}
         self.model_nodes: dict[str, dict[str, int]] = {}  # model → node → replicas there
+        self._owned: set[str] = set()  # the models whose map in model_nodes this fleet may change
         self.replicas: dict[str, ReplicaInfo] = {}
         self._index: _Index | None = None
         self._shared: dict = {}  # per node set, shared by copies: shapes, weights → nodes
@@ -68,7 +69,10 @@ class Fleet:
         clone.mig_used = set(self.mig_used)
         clone.free_ram, clone.free_cores = dict(self.free_ram), dict(self.free_cores)
         clone.on_node, clone.count_on_node = dict(self.on_node), dict(self.count_on_node)
-        clone.model_nodes = {m: dict(v) for m, v in self.model_nodes.items()}
+        # Copy on write: a copy shares the per-model maps until it changes one (dry runs copy often
+        # and change little).
+        clone.model_nodes = dict(self.model_nodes)
+        clone._owned = set()
         clone.replicas = dict(self.replicas)
         clone._shared = self._shared
         clone._index = self.index().copy()  # built once on the original, then copied with it
@@ -133,7 +137,11 @@ class Fleet:
         key = (node, replica.model)
         self.on_node[key] = self.on_node.get(key, 0) + sign
         self.count_on_node[node] = self.count_on_node.get(node, 0) + sign
-        per = self.model_nodes.setdefault(replica.model, {})
+        per = self.model_nodes.get(replica.model)
+        if per is None or replica.model not in self._owned:
+            per = dict(per or {})
+            self.model_nodes[replica.model] = per
+            self._owned.add(replica.model)
         per[node] = per.get(node, 0) + sign
         if per[node] <= 0:
             del per[node]

@@ -146,7 +146,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             need = need_of(demand.profiles[0], demand.extra_bytes) if demand.profiles else (0, 0, 0)
             below_min = demand.slot < max(model.scaling.min, 1 if model.pinned else 0)
             pool = preemption.candidates(model, below_min, need, fleet, models, desired, quotas, now, settings,
-                                         borrowed, protected, room_for_on_demand=demand.reason == "on-demand")
+                                         borrowed, protected, room_for_on_demand=demand.reason == "on-demand" and model.waiting > 0)
             if not pool:
                 continue
             quota_base = quotas

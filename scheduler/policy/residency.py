@@ -3,13 +3,18 @@
 Pinned models and models below their minimum come first, then the rest; within each tier the
 packer looks at what a placement costs (bytes) as well as what it is worth (priority): it tries a
 priority-first and a worth-per-byte-first order with best fit and keeps the better, then swaps a
-few cheap placements out for a more valuable one when that gains. Resident replicas are never
-moved by the packer, so a converged state stays put.
+few cheap placements out for a more valuable one when that gains. A small batch that still does not
+fit gets a bounded exact search, then a local search that re-solves pairs and triples of
+accelerators exactly. Resident replicas are never moved by the packer, so a converged state stays
+put.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+import math
 import random
 from typing import Sequence
 
@@ -20,21 +25,29 @@ from scheduler.policy.quotas import Quotas, need_of
 DEFAULT_LOAD_S = 60.0
 RESTART_LIMIT, RESTARTS = 60, 64  # small batches get perturbed restarts of the greedy
 EXACT_DEMANDS, EXACT_ACCELERATORS = 40, 64  # small enough for a bounded exact search
-EXACT_NODES = 20_000
-PAIR_ACCELERATORS, PAIR_NODES = 16, 2_000  # the pairwise repack: at most 120 pairs, each searched this far  # search nodes: a fixed budget (not a time limit), so the result is deterministic
+# Search budgets are counts of nodes, never times, so the same input always gets the same plan.
+EXACT_NODES = 5_000  # the exact search over the whole small batch
+# The repack (a local search): groups of accelerators re-solved exactly with what is unplaced.
+# Pairs on up to 16 accelerators (120 pairs), then triples on up to 12 (220 triples); each group
+# is searched at most this far, and each of the two stops at REPACK_NODES in all.
+PAIR_ACCELERATORS, PAIR_NODES = 16, 2_000
+TRIPLE_ACCELERATORS, TRIPLE_NODES = 12, 1_000
+REPACK_NODES = 20_000
 
 
 def desired_count(model: DesiredModel, replicas: Sequence[ReplicaInfo], now: float) -> tuple[int, int, str]:
-    """(desired, base, why). On-demand (min 0) models: base 1 while requested within the idle
-    timeout, while requests wait, or while the idle time is not known and replicas exist."""
+    """(desired, base, why). On-demand (min 0) models: base 1 while requests wait, and while a
+    replica runs that was requested within the idle timeout or whose idle time is not known. A
+    model with no replica loads only when a request waits for it: being used recently does not
+    load it again (a replica that was preempted comes back on its next request, not before)."""
     scaling = model.scaling
     if scaling.on_demand:
         last = model.last_requested_at
         if model.waiting > 0:
             base, why = 1, "on-demand: requests waiting"
-        elif last is not None and now - last < scaling.idle_timeout_s:
+        elif replicas and last is not None and now - last < scaling.idle_timeout_s:
             base, why = 1, "on-demand: requested within its idle timeout"
-        elif last is None and replicas:
+        elif replicas and last is None:
             base, why = 1, "on-demand: idle time not known, so not idle"
         else:
             base, why = 0, "on-demand: idle"
@@ -150,6 +163,8 @@ def pack(demands: Sequence[Demand], fleet: Fleet, quotas: Quotas, placer: Placer
     best = (placed, unplaced, trial_fleet, trial_quotas)
     if not unplaced or not exhaustive:
         return best
+    if all(try_place(d, fleet, quotas, placer)[1] is None for d in unplaced):
+        return best  # what fits nowhere even alone, no order or swap places: the greedy placed the rest
     # Not everything fits: worth against cost. Several orders (worth per byte, worth, and a few
     # deterministic perturbations of worth per byte for small batches), each improved by swaps.
     by_density = sorted(demands, key=lambda d: (-d.value / d.cost, -d.value, d.key))
@@ -184,60 +199,68 @@ def pack(demands: Sequence[Demand], fleet: Fleet, quotas: Quotas, placer: Placer
             placed.extend(more)
             if _score(placed) > _score(best[0]):
                 best = (placed, unplaced, trial_fleet, trial_quotas)
-        if best[1]:
-            _repack_pairs(best[0], best[1], best[2], best[3], placer, now)
+        # Then re-solve pairs of accelerators, and triples where there are few: a triple can move
+        # a large model onto a large accelerator and what was there onto a smaller one, a chain
+        # of moves no pair sees (and the greedy orders above tend to miss).
+        for size, limit, nodes in ((2, PAIR_ACCELERATORS, PAIR_NODES), (3, TRIPLE_ACCELERATORS, TRIPLE_NODES)):
+            if best[1]:
+                _repack(best[0], best[1], best[2], best[3], placer, now, size=size, limit=limit, nodes=nodes)
     return best
 
 
-def _repack_pairs(placed: list[Placed], unplaced: list[Demand], fleet: Fleet, quotas: Quotas, placer: Placer,
-                  now: float, rounds: int = 8) -> None:
-    """A local search for small batches: for each pair of accelerators, take out what this pack
-    placed on them and solve the pair exactly with those and every demand still unplaced; keep a
-    better answer. Residents stay where they are. Changes ``placed``, ``unplaced``, ``fleet``,
-    ``quotas`` in place."""
+def _repack(placed: list[Placed], unplaced: list[Demand], fleet: Fleet, quotas: Quotas, placer: Placer,
+            now: float, *, size: int, limit: int, nodes: int, rounds: int = 8) -> None:
+    """A local search for small batches: for each group of ``size`` accelerators (when there are at
+    most ``limit``), take out what this pack placed on them and solve the group exactly with those
+    and every demand still unplaced, searching at most ``nodes``; keep a better answer. It stops
+    after REPACK_NODES nodes in all. Residents stay where they are. Changes ``placed``,
+    ``unplaced``, ``fleet``, ``quotas`` in place."""
     accs = sorted({p.spot.accelerators[0] for p in placed if len(p.spot.accelerators) == 1})
     others = sorted(a for a in fleet.free_acc if a not in accs and fleet.free_acc[a] > 0)
     accs = sorted(set(accs) | set(others))
-    if len(accs) > PAIR_ACCELERATORS:
+    if len(accs) > limit or len(accs) < size:
         return
+    meter = [REPACK_NODES]
     for _ in range(rounds):
         improved = False
-        for x in range(len(accs)):
-            for y in range(x + 1, len(accs)):
-                if not unplaced:
-                    return
-                pair = {accs[x], accs[y]}
-                inside = [p for p in placed if len(p.spot.accelerators) == 1 and p.spot.accelerators[0] in pair]
-                trial = fleet.copy()
-                for p in inside:
-                    trial.remove(p.replica.id)
-                found = _exact([p.demand for p in inside] + list(unplaced), trial, placer,
-                               best_value=sum(p.demand.value for p in inside), only=pair, nodes=PAIR_NODES)
-                if found is None:
-                    continue
-                for p in inside:
-                    fleet.remove(p.replica.id)
-                    quotas.remove(p.replica)
-                    placed.remove(p)
-                keys = set()
-                for demand, profile, acc_id, need in found:
-                    placed.append(commit(demand, profile, Spot(fleet.acc_node[acc_id], (acc_id,), need,
-                                                               profile.cpu_cores), fleet, quotas, now))
-                    keys.add(demand.key)
-                pool = [d for d in unplaced if d.key not in keys] + [p.demand for p in inside if p.demand.key not in keys]
-                unplaced[:] = sorted(pool, key=lambda d: (-d.value / d.cost, -d.value, d.key))
-                improved = True
+        for group in itertools.combinations(accs, size):
+            if not unplaced or meter[0] <= 0:
+                return
+            only = set(group)
+            inside = [p for p in placed if len(p.spot.accelerators) == 1 and p.spot.accelerators[0] in only]
+            trial = fleet.copy()
+            for p in inside:
+                trial.remove(p.replica.id)
+            found = _exact([p.demand for p in inside] + list(unplaced), trial, placer,
+                           best_value=sum(p.demand.value for p in inside), only=only,
+                           nodes=min(nodes, meter[0]), meter=meter)
+            if found is None:
+                continue
+            for p in inside:
+                fleet.remove(p.replica.id)
+                quotas.remove(p.replica)
+                placed.remove(p)
+            keys = set()
+            for demand, profile, acc_id, need in found:
+                placed.append(commit(demand, profile, Spot(fleet.acc_node[acc_id], (acc_id,), need,
+                                                           profile.cpu_cores), fleet, quotas, now))
+                keys.add(demand.key)
+            pool = [d for d in unplaced if d.key not in keys] + [p.demand for p in inside if p.demand.key not in keys]
+            unplaced[:] = sorted(pool, key=lambda d: (-d.value / d.cost, -d.value, d.key))
+            improved = True
         if not improved:
             return
 
 
 def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: float, *,
-           only: set[str] | None = None, nodes: int = EXACT_NODES):
+           only: set[str] | None = None, nodes: int = EXACT_NODES, meter: list[int] | None = None):
     """A bounded branch and bound over single-accelerator placements of a small batch: each demand
     (by worth per byte) goes on one of the accelerators that can take it, or is left out; the bound
-    is the fractional knapsack of what is left over the free memory left. Returns the best
-    assignment found worth more than ``best_value`` — [(demand, profile, accelerator, bytes)] — or
-    None. The node budget is a count, not a time, so the answer is the same on every run."""
+    is a fractional knapsack of what is left over the free memory left, counting for each demand
+    only the accelerators it still fits on (see ``bound``). Returns the best assignment found worth
+    more than ``best_value`` — [(demand, profile, accelerator, bytes)] — or None. The node budget is
+    a count, not a time, so the answer is the same on every run; ``meter``, when given, is charged
+    the nodes used."""
     options_of: dict[tuple, list[tuple]] = {}
     acc_ids: set[str] = set()
     cores_used = False
@@ -288,18 +311,57 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
     best = {"value": best_value + 1e-9, "assign": None}
     chosen: list = [None] * n
     budget = [nodes]
+    # With whole priorities of 1 or more, an answer is worth a whole number (plus 1e-9 a
+    # placement, a tie-break), so a branch must be able to reach the next whole number above the
+    # best found: a bound of 112.7 against a best of 112 prunes, where comparing fractions would
+    # search on. Priority 0 is worth only the 1e-9, so such a batch compares fractions.
+    whole = all(v >= 1 and abs(v - round(v)) < 1e-6 for v in values)
+    least = [0] * (n + 1)  # the smallest demand from i on: rooms below it take nothing
+    least[n] = math.inf
+    for i in range(n - 1, -1, -1):
+        least[i] = min(least[i + 1], sizes[i] if options[i] else math.inf)
 
     def bound(i: int, value: float) -> float:
-        room = sum(v for a, v in free.items() if a not in mig or v == fleet.free_acc[a])
-        for j in range(i, n):
-            if not options[j]:
-                continue
-            if sizes[j] <= room:
-                room -= sizes[j]
-                value += values[j]
+        """What demands i, i + 1, … could add at most: by worth per byte they fill the free room
+        fractionally, but a demand counts only room on accelerators it still fits on. With room
+        sizes t1 > t2 > …, the demands that fit only where there is at least tk share at most the
+        room of those accelerators; filling these nested limits in worth-per-byte order is the
+        optimum of that relaxation. Leftover room too small for what is left counts for nothing,
+        which a bound on the total free room alone cannot see (and most of the search happens
+        where accelerators are nearly full)."""
+        rooms = sorted((v for a, v in free.items() if v >= least[i] and (a not in mig or v == fleet.free_acc[a])),
+                       reverse=True)
+        if not rooms:
+            return value
+        tops, left, total = [], [], 0  # left[k]: what the rooms of at least tops[k] can still take
+        for r in rooms:
+            total += r
+            if tops and tops[-1] == r:
+                left[-1] = total
             else:
-                return value + values[j] * room / max(sizes[j], 1)
+                tops.append(r)
+                left.append(total)
+        ascending, m = tops[::-1], len(tops)
+        for j in range(i, n):
+            size = sizes[j]
+            if size > tops[0] or not options[j]:
+                continue
+            k = m - bisect.bisect_left(ascending, size)  # it fits where there is at least tops[k - 1]
+            take = min(size, min(left[k - 1:]))
+            if take <= 0:
+                continue
+            for q in range(k - 1, m):
+                left[q] -= take
+            value += values[j] * take / size
+            if left[-1] <= 0:
+                break
         return value
+
+    def beaten(i: int, value: float) -> bool:
+        top = bound(i, value)
+        if whole:
+            return math.floor(top + 1e-6) <= math.floor(best["value"] + 1e-6)
+        return top <= best["value"]
 
     def search(i: int, value: float) -> None:
         if budget[0] <= 0:
@@ -309,7 +371,7 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
             if value > best["value"]:
                 best["value"], best["assign"] = value, list(chosen)
             return
-        if bound(i, value) <= best["value"]:
+        if beaten(i, value):
             return
         seen = set()
         for option in sorted(options[i], key=lambda o: (free[o[1]], o[1])):
@@ -335,6 +397,8 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
         search(i + 1, value)
 
     search(0, 0.0)
+    if meter is not None:
+        meter[0] -= nodes - budget[0]  # what a caller with a budget of its own has left
     if best["assign"] is None:
         return None
     return [(order[i], o[0], o[1], o[2]) for i, o in enumerate(best["assign"]) if o is not None]

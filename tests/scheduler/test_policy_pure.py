@@ -242,7 +242,7 @@ def test_headroom_counts_on_a_copy_and_stops_at_a_limit():
 def test_recovery_ladder_escalates_and_never_retries_oom_unchanged():
     assert [recovery.ladder("oom", n) for n in (1, 2, 3)] == ["degrade", "fallback", "quarantine"]
     assert [recovery.ladder("hang", n) for n in (1, 2, 3, 4)] == ["retry", "degrade", "fallback", "quarantine"]
-    assert [recovery.ladder("crash", n) for n in (1, 2, 3, 4)] == ["retry", "retry", "retry", "quarantine"]
+    assert [recovery.ladder("crash", n) for n in (1, 2, 3, 4, 5)] == ["retry", "retry", "retry", "retry", "quarantine"]
     for kind in ("oom", "hang", "crash"):
         sev = [recovery.SEVERITY[recovery.ladder(kind, n)] for n in range(1, 8)]
         assert sev == sorted(sev)

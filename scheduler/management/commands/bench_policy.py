@@ -439,7 +439,8 @@ class Berth(Replay):
                 m.id, (Profile("p", "vllm", 1, m.size * G),),
                 Scaling(min=1 if m.critical else 0, max=1, idle_timeout_s=1800),
                 capacity_class="critical" if m.critical else "", priority=max(1, round(m.rate * 1000)),
-                last_requested_at=self.requested.get(m.id), waiting=1 if m.id in waiting else 0))
+                last_requested_at=self.requested.get(m.id), waiting=1 if m.id in waiting else 0,
+                waiting_since=min((t for t, mid, _ in self.pending if mid == m.id), default=None)))
         replicas = tuple(dataclasses.replace(r, active_requests=1 if self.busy(r.model, now) else 0,
                                              last_used_at=self.last_used.get(r.model, r.created_at),
                                              ready_since=self.ready_at.get(r.model) if self.ready_at.get(r.model, now + 1) <= now
