@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from scheduler.models import Accelerator, CalibrationRecord, MemoryReservation, Node, NodeEngine
+from scheduler.models import Accelerator, CalibrationRecord, MemoryReservation, Node, NodeEngine, RecoveryState
 
 
 class NodeEngineInline(admin.TabularInline):
@@ -36,3 +36,18 @@ class CalibrationRecordAdmin(admin.ModelAdmin):
                     "created_at")
     list_filter = ("engine", "outcome")
     search_fields = ("model_name", "model_key")
+
+
+@admin.register(RecoveryState)
+class RecoveryStateAdmin(admin.ModelAdmin):
+    """Read-only: retry a parked model from the placement page or the API (it is audited there)."""
+
+    list_display = ("model", "kind", "consecutive", "level", "parked", "parked_at", "last_failure_at", "retried_by")
+    list_filter = ("parked", "kind")
+    search_fields = ("model",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False

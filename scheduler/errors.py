@@ -45,3 +45,9 @@ class NotPlaceable(Conflict):
 
 class InvalidCalibration(InvalidInput):
     code = "invalid_calibration"
+
+
+class ModelNotParked(NotFound):
+    """A retry asked for a model that has no failure memory, or is not parked."""
+
+    code = "model_not_parked"

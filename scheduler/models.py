@@ -266,3 +266,45 @@ class PlacementDecision(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model}: {self.verdict} ({', '.join(self.reason_codes)})"
+
+
+class RecoveryState(models.Model):
+    """The recovery ladder's memory for one catalog model: its launch failures in a row, how far
+    down the ladder it is, and whether it is parked (``scheduler.recovery_service`` writes it;
+    the placement policy reads it as ``Snapshot.failures``).
+
+    A parked model is not placed again until its definition changes (the catalog fingerprint no
+    longer equals ``parked_fingerprint``) or an operator retries it. A reset row is kept: who
+    retried it last, and the last error, stay visible.
+    """
+
+    class Kind(models.TextChoices):
+        CRASH = "crash", "Crash"
+        OOM = "oom", "Out of memory"
+        HANG = "hang", "Hang"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    model = models.CharField(max_length=255, unique=True, help_text="The catalog model's name.")
+    kind = models.CharField(max_length=8, choices=Kind.choices, blank=True,
+                            help_text="The last failure's kind; empty when there is nothing to recover from.")
+    consecutive = models.PositiveIntegerField(default=0, help_text="Failed launches in a row.")
+    last_failure_at = models.DateTimeField(null=True, blank=True)
+    level = models.PositiveSmallIntegerField(default=0, help_text="0 full, 1 degraded, 2 fallback.")
+    fingerprint = models.CharField(max_length=32, blank=True,
+                                   help_text="The catalog definition the last failure was with.")
+    parked = models.BooleanField(default=False)
+    parked_at = models.DateTimeField(null=True, blank=True)
+    parked_fingerprint = models.CharField(max_length=32, blank=True,
+                                          help_text="The definition it was parked with: a new one unparks it.")
+    last_error = models.TextField(blank=True)
+    retried_by = models.CharField(max_length=255, blank=True, help_text="Who last asked for a retry (actor).")
+    retried_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model"]
+
+    def __str__(self) -> str:
+        if self.parked:
+            return f"{self.model}: parked after {self.consecutive} {self.kind} failure(s)"
+        return f"{self.model}: {self.consecutive} {self.kind or 'no'} failure(s) in a row"

@@ -7,7 +7,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import transaction
 
-from scheduler.models import PlacementDecision
+from scheduler import recovery_service
+from scheduler.models import PlacementDecision, RecoveryState
 from scheduler.policy import plan as policy
 from scheduler.policy.inputs import Plan, Snapshot
 from scheduler.policy.placement import Fleet
@@ -84,10 +85,22 @@ def _dry_run(snapshot, plan, kind, model_id, codes, *, detail="", evidence=None,
 
 
 def parked_and_unplaceable(limit: int = 200) -> dict:
-    """The latest verdict per model among parked and unschedulable ones (from the evidence rows)."""
+    """Parked models (from the recovery memory, ``scheduler.recovery_service.parked``; a model
+    whose latest decision is parked but which has no failure memory left is listed from the
+    decision, not retriable) and unplaceable ones (the latest verdict per model is unschedulable)."""
     rows = (PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN)
             .order_by("model", "-created_at", "-id").distinct("model")
             .values("model", "verdict", "detail", "reason_codes", "created_at"))[:limit * 4]
-    parked = [r for r in rows if r["verdict"] == PlacementDecision.Verdict.PARKED][:limit]
+    parked = recovery_service.parked(limit)
+    by_decision = [r for r in rows if r["verdict"] == PlacementDecision.Verdict.PARKED]
+    # A model with a recovery row is described by it (a retried one is no longer parked, whatever
+    # the last plan said); only a parked verdict with no row at all is listed from the decision.
+    remembered = set(RecoveryState.objects.filter(model__in=[r["model"] for r in by_decision])
+                     .values_list("model", flat=True))
+    for row in by_decision:
+        if row["model"] not in remembered:
+            parked.append({"model": row["model"], "parked": True, "kind": "", "consecutive": None, "level": None,
+                           "last_error": "", "last_failure_at": None, "since": row["created_at"],
+                           "detail": row["detail"], "retried_by": "", "retried_at": None, "retriable": False})
     unplaceable = [r for r in rows if r["verdict"] == PlacementDecision.Verdict.UNSCHEDULABLE][:limit]
-    return {"parked": parked, "unplaceable": unplaceable}
+    return {"parked": parked[:limit], "unplaceable": unplaceable}

@@ -13,7 +13,8 @@ Serving's reconcile loop supplies the rest (scheduler never reads Serving's tabl
   accelerator (what it reserved, its draft's share included), cores, pinned, active requests,
   last used and ready since (``None`` when not known), load time, created at, load-added.
 * ``contracts`` — :func:`contracts_from_tenancy` below turns tenancy's contracts into plain data.
-* ``failures`` (the recovery ladder's memory per model) and ``holds`` (carried from the last plan).
+* ``failures`` (the recovery ladder's memory per model: ``scheduler.recovery_service.failure_states()``)
+  and ``holds`` (carried from the last plan).
 
 The reconcile loop then applies the plan: evictions first (with their grace), then launches
 (reserving memory with ``scheduler.memory.reserve_memory`` under the node's lock), and records it
@@ -108,5 +109,8 @@ def current_snapshot(models=(), *, now: float | None = None):
         snap = import_string(provider)()
         known = {m.id for m in models}
         return dataclasses.replace(snap, models=tuple(m for m in snap.models if m.id not in known) + tuple(models))
+    from scheduler.recovery_service import failure_states
+
     return Snapshot(now=time.time() if now is None else now, nodes=inventory(), models=tuple(models),
-                    replicas=reservations_as_replicas(), contracts=contracts_from_tenancy())
+                    replicas=reservations_as_replicas(), contracts=contracts_from_tenancy(),
+                    failures=failure_states())

@@ -97,3 +97,39 @@ class AcceleratorTable(Table):
 
     def with_bars(self):
         return [(memory_bar(row), line) for row, line in zip(self.rows, self.lines)]
+
+
+def _ago(value):
+    return None if value is None else f"{timesince(value)} ago"
+
+
+_LEVELS = {0: "full", 1: "degraded", 2: "fallback"}
+
+
+class ParkedModelTable(Table):
+    """Parked models (``recovery_service.parked``'s dicts), one line each with why; the template
+    adds a Retry button to the rows that have failure memory to reset, for staff."""
+
+    columns = (
+        Column("Model", "model"),
+        Column("Failure", lambda p: {"crash": "crash", "oom": "out of memory", "hang": "hang"}.get(p["kind"])),
+        Column("In a row", "consecutive", numeric=True),
+        Column("Level", lambda p: _LEVELS.get(p["level"]) if p["level"] else None),
+        Column("Why", "detail"),
+        Column("Parked", lambda p: _ago(p["since"])),
+        Column("Last retried", lambda p: f"{_ago(p['retried_at'])} by {p['retried_by']}" if p["retried_at"] else None),
+    )
+    empty_message = "No parked model."
+
+    def with_rows(self):
+        return list(zip(self.rows, self.lines))
+
+
+class UnplaceableModelTable(Table):
+    columns = (
+        Column("Model", "model"),
+        Column("Why", "detail"),
+        Column("Reasons", lambda u: ", ".join(u["reason_codes"])),
+        Column("Decided", lambda u: _ago(u["created_at"])),
+    )
+    empty_message = "Every model fits."

@@ -7,6 +7,7 @@ urlpatterns = [
     path("", views.FleetView.as_view(), name="index"),
     path("estimate/", views.EstimateView.as_view(), name="estimate"),
     path("placement/", views.PlacementView.as_view(), name="placement"),
+    path("placement/parked/<path:model>/retry/", views.RetryParkedView.as_view(), name="parked-retry"),
     path("nodes/<uuid:public_id>/", views.NodeDetailView.as_view(), name="node"),
     path("nodes/<uuid:public_id>/<slug:verb>/", views.NodeActionView.as_view(), name="node-action"),
 ]

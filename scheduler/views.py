@@ -1,17 +1,22 @@
+from urllib.parse import urlsplit
+
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin, UserPassesTestMixin
 from django.db.models import Prefetch
-from django.shortcuts import get_object_or_404, redirect
+from django.http import QueryDict
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.cache import patch_vary_headers
 from django.views import View
 
 from berth.errors import BerthError
-from berth.htmx import PageView, render_page
+from berth.htmx import PageView, render_page, wants_fragment
 from scheduler import memory, services
 from scheduler.filtersets import NodeFilterSet
 from scheduler.forms import EstimateForm, NodeActionForm
 from scheduler.models import Accelerator, AcceleratorSample, ModelDirectory, Node, NodeSample
 from scheduler.presenting import estimate_payload
-from scheduler.tables import AcceleratorTable, NodeTable
+from scheduler.tables import AcceleratorTable, NodeTable, ParkedModelTable, UnplaceableModelTable
 from tenancy import audit
 
 
@@ -105,22 +110,65 @@ class EstimateView(LoginRequiredMixin, View):
         return {"result": estimate_payload(result)}
 
 
+def placement_context(request, query) -> dict:
+    """The placement page's live part: decisions with ``query``'s filters, the parked and
+    unplaceable lists (``query`` is the page's own query string, also when a retry answers)."""
+    from scheduler import placement_service
+    from scheduler.models import PlacementDecision
+
+    filters = {k: query.get(k, "").strip() for k in ("model", "verdict", "kind")}
+    rows = PlacementDecision.objects.all()
+    for field, value in filters.items():
+        if value:
+            rows = rows.filter(**{field: value})
+    lists = placement_service.parked_and_unplaceable()
+    page = reverse("scheduler:placement")
+    return {"filters": filters, "decisions": rows[:200], "parked": ParkedModelTable(lists["parked"]),
+            "unplaceable": UnplaceableModelTable(lists["unplaceable"]), "can_retry": request.user.is_staff,
+            "live_url": f"{page}?{query.urlencode()}" if query else page,
+            "verdicts": PlacementDecision.Verdict.choices, "kinds": PlacementDecision.Kind.choices}
+
+
 class PlacementView(LoginRequiredMixin, PageView):
-    """Placement decisions kept as evidence, with filters; the parked and unplaceable lists."""
+    """Placement decisions kept as evidence, with filters; the parked (with Retry, for staff) and
+    unplaceable lists."""
 
     template_name = "scheduler/placement.html"
     fragment_template_name = "scheduler/placement_live.html"
 
     def get_context_data(self, **kwargs):
-        from scheduler import placement_service
-        from scheduler.models import PlacementDecision
-
         context = super().get_context_data(**kwargs)
-        filters = {k: self.request.GET.get(k, "").strip() for k in ("model", "verdict", "kind")}
-        rows = PlacementDecision.objects.all()
-        for field, value in filters.items():
-            if value:
-                rows = rows.filter(**{field: value})
-        context.update(filters=filters, decisions=rows[:200], lists=placement_service.parked_and_unplaceable(),
-                       verdicts=PlacementDecision.Verdict.choices, kinds=PlacementDecision.Kind.choices)
+        context.update(placement_context(self.request, self.request.GET))
         return context
+
+
+class RetryParkedView(LoginRequiredMixin, UserPassesTestMixin, View):
+    """POST: retry a parked model (staff only). HTMX gets the page's live part back, re-read with
+    the filters the page shows; a plain form post is redirected to the page."""
+
+    def test_func(self):
+        return self.request.user.is_staff
+
+    def post(self, request, model):
+        from scheduler import recovery_service
+
+        note, error = "", None
+        try:
+            recovery_service.retry(audit.Actor.from_request(request), model)
+            note = f"{model} will be placed again at the next pass."
+        except BerthError as refusal:
+            error = refusal
+        if not wants_fragment(request):
+            if error is not None:
+                messages.error(request, error.message)
+            else:
+                messages.success(request, note)
+            return redirect("scheduler:placement")
+        # The page's own URL (filters included) stays the fragment's polling URL.
+        current = urlsplit(request.htmx.current_url_abs_path or "")
+        query = QueryDict(current.query) if current.path == reverse("scheduler:placement") else QueryDict()
+        context = {**placement_context(request, query), "retry_note": note, "retry_error": error}
+        # htmx swaps only 2xx answers: a refusal (someone retried it first) is said in the swapped part.
+        response = render(request, "scheduler/placement_live.html", context)
+        patch_vary_headers(response, ("HX-Request",))
+        return response

@@ -21,7 +21,7 @@ from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from berth.errors import BerthError
-from scheduler import memory
+from scheduler import memory, recovery_service
 from scheduler.estimation.reading import read_model
 from scheduler.models import Accelerator, Node
 from scheduler.policy.calibration import ExitClassification
@@ -99,11 +99,11 @@ def _start(replica: Replica) -> None:
         spec = launch_spec(replica)
         handle = runtime.start(spec, engine.command(spec))
     except BerthError as error:
-        fail(replica, f"could not start: {error.message}")
+        fail(replica, f"could not start: {error.message}", launch_failure="crash")
         return
     except Exception as error:  # the runtime's own failure (docker daemon gone, exec error)
         log.exception("starting %s failed", replica)
-        fail(replica, f"could not start: {error}")
+        fail(replica, f"could not start: {error}", launch_failure="crash")
         return
     if not states.move(replica, S.LOADING, f"{runtime.kind} runtime started the engine", handle=dataclasses.asdict(handle)):
         runtime.stop(handle, grace_seconds=5)  # stopped while starting: do not leave it running
@@ -130,7 +130,7 @@ def watch_startup(replica: Replica) -> None:
             status = runtime.status(handle)
             if not status.running:
                 fail(replica, f"engine {status.exit.describe() if status.exit else 'vanished'} while loading",
-                     handle=handle, exit=status.exit)
+                     handle=handle, exit=status.exit, launch_failure="crash")
                 return
             available = _mem_available()  # the agent runs on the replica's node: this machine's figure
             if available is not None and margin and available < margin and not deployment.gpu_uuids:
@@ -139,11 +139,14 @@ def watch_startup(replica: Replica) -> None:
                 return
             if _ready(http, base, headers, engine, spec, deployment.task):
                 peak = runtime.status(handle).peak_memory_bytes
-                states.move(replica, S.READY, "health answered and a real request succeeded", peak_memory_bytes=peak)
+                if states.move(replica, S.READY, "health answered and a real request succeeded",
+                               peak_memory_bytes=peak):
+                    recovery_service.note_success(deployment.name)
                 _calibrate(replica, peak)
                 return
             if time.monotonic() > deadline:
-                fail(replica, f"not ready within {settings.SERVING_STARTUP_TIMEOUT_SECONDS}s", handle=handle)
+                fail(replica, f"not ready within {settings.SERVING_STARTUP_TIMEOUT_SECONDS}s", handle=handle,
+                     launch_failure="hang")
                 return
             time.sleep(POLL_SECONDS)
 
@@ -164,8 +167,15 @@ def _mem_available() -> int | None:
     return meminfo().get("MemAvailable")
 
 
-def fail(replica: Replica, message: str, *, handle: Handle | None = None, exit: Exit | None = None) -> None:
-    """Remove a failed engine, keep its log tail, give back what it held, learn from an OOM."""
+def fail(replica: Replica, message: str, *, handle: Handle | None = None, exit: Exit | None = None,
+         launch_failure: str = "") -> None:
+    """Remove a failed engine, keep its log tail, give back what it held, learn from an OOM.
+
+    ``launch_failure`` says the replica never became ready and how: "crash" (the engine exited
+    while loading, or the runtime could not start it; an exit with out-of-memory evidence makes it
+    "oom") or "hang" (not ready within the start-up timeout). The recovery ladder counts those;
+    the rest (no room at its turn, the queue timeout, an agent restart, a stop) are not the
+    model's fault and leave it alone."""
     handle = handle or _handle(replica)
     tail = ""
     if handle is not None:
@@ -180,6 +190,21 @@ def fail(replica: Replica, message: str, *, handle: Handle | None = None, exit: 
         release(replica)
         if exit is not None and exit.out_of_memory:
             _record_oom(replica, exit)
+        if launch_failure:
+            _note_launch_failure(replica, "oom" if exit is not None and exit.out_of_memory else launch_failure,
+                                 message)
+
+
+def _note_launch_failure(replica: Replica, kind: str, message: str) -> None:
+    """One step down the model's recovery ladder, when the deployment serves a catalog model (only
+    those are placed by the policy; a deployment made by hand under another name is not counted)."""
+    from serving.catalog.models import ModelEntry
+
+    name = replica.deployment.name
+    fingerprint = ModelEntry.objects.filter(name=name).values_list("fingerprint", flat=True).first()
+    if fingerprint is None:
+        return
+    recovery_service.note_failure(name, kind, message, fingerprint)
 
 
 def _calibrate(replica: Replica, peak: int | None) -> None:

@@ -136,3 +136,33 @@ class PolicyModelSerializer(serializers.Serializer):
         return DesiredModel(data["model"], profiles, Scaling(min=data["min"], max=data.get("max"),
                                                              idle_timeout_s=data["idle_timeout_s"]),
                             capacity_class=data["capacity_class"], owner=data["owner"])
+
+
+class ParkedModelSerializer(serializers.Serializer):
+    """A parked model (or, answering a retry, the model's reset failure memory)."""
+
+    model = serializers.CharField()
+    parked = serializers.BooleanField()
+    kind = serializers.CharField(help_text="The last failure: crash, oom or hang (empty once reset).")
+    consecutive = serializers.IntegerField(allow_null=True, help_text="Failed launches in a row.")
+    level = serializers.IntegerField(allow_null=True, help_text="0 full, 1 degraded, 2 fallback.")
+    last_error = serializers.CharField()
+    last_failure_at = serializers.DateTimeField(allow_null=True)
+    since = serializers.DateTimeField(allow_null=True, help_text="When it was parked.")
+    detail = serializers.CharField(help_text="Why it is parked, as a person reads it.")
+    retried_by = serializers.CharField(help_text="Who last retried it (an actor), if anyone.")
+    retried_at = serializers.DateTimeField(allow_null=True)
+    retriable = serializers.BooleanField(help_text="False when only a decision says it is parked (nothing to reset).")
+
+
+class UnplaceableModelSerializer(serializers.Serializer):
+    model = serializers.CharField()
+    verdict = serializers.CharField()
+    detail = serializers.CharField()
+    reason_codes = serializers.ListField(child=serializers.CharField())
+    created_at = serializers.DateTimeField()
+
+
+class ParkedAndUnplaceableSerializer(serializers.Serializer):
+    parked = ParkedModelSerializer(many=True)
+    unplaceable = UnplaceableModelSerializer(many=True)

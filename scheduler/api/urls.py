@@ -14,5 +14,7 @@ urlpatterns = [
     path("placement/explain/", views.ExplainPlacementView.as_view(), name="explain"),
     path("placement/headroom/", views.HeadroomView.as_view(), name="headroom"),
     path("placement/parked/", views.ParkedUnplaceableView.as_view(), name="parked"),
+    # Catalog names may hold a slash (org/model): the path converter keeps it.
+    path("placement/parked/<path:model>/retry/", views.RetryParkedView.as_view(), name="parked-retry"),
     *router.urls,
 ]

@@ -1,4 +1,4 @@
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from django.db.models import Prefetch
 from django.shortcuts import get_object_or_404
 from django_filters.rest_framework import DjangoFilterBackend
@@ -10,7 +10,8 @@ from rest_framework.views import APIView
 from scheduler import memory, services
 from scheduler.api.serializers import (
     AcceleratorSerializer, CalibrationRecordSerializer, EstimateRequestSerializer, NodeActionSerializer,
-    NodeSerializer, PlacementDecisionSerializer, PolicyModelSerializer,
+    NodeSerializer, ParkedAndUnplaceableSerializer, ParkedModelSerializer, PlacementDecisionSerializer,
+    PolicyModelSerializer,
 )
 from scheduler.filtersets import AcceleratorFilterSet, CalibrationRecordFilterSet, NodeFilterSet
 from scheduler.models import Accelerator, CalibrationRecord, ModelDirectory, Node
@@ -177,10 +178,27 @@ class HeadroomView(_DryRunView):
 
 
 class ParkedUnplaceableView(APIView):
-    """The models whose latest decision is parked or unschedulable, with why."""
+    """The parked models (with the last failure's kind, how many in a row, the last error and since
+    when) and the unplaceable ones (their latest decision is unschedulable), with why."""
 
-    @extend_schema(responses={200: dict})
+    @extend_schema(responses={200: ParkedAndUnplaceableSerializer})
     def get(self, request):
         from scheduler import placement_service
 
-        return Response(placement_service.parked_and_unplaceable())
+        return Response(ParkedAndUnplaceableSerializer(placement_service.parked_and_unplaceable()).data)
+
+
+class RetryParkedView(APIView):
+    """POST: an operator's retry of a parked model. Its failure memory is reset (and the retry
+    audited) so the next placement pass launches it again. 404 ``model_not_parked`` when it is not
+    parked."""
+
+    permission_classes = [IsStaff]
+
+    @extend_schema(request=None, responses={200: ParkedModelSerializer,
+                                            404: OpenApiResponse(description="model_not_parked")})
+    def post(self, request, model):
+        from scheduler import recovery_service
+
+        row = recovery_service.retry(audit.Actor.from_request(request), model)
+        return Response(ParkedModelSerializer(recovery_service.describe(row)).data)

@@ -1,0 +1,133 @@
+"""The recovery ladder's memory, kept per catalog model: failed launches noted by Serving's agent,
+reset by a launch that became ready or by an operator's retry, and read back as the policy's
+``Snapshot.failures``.
+
+The ladder itself is pure (``scheduler.policy.recovery``); this module only stores what it
+returns. A parked model stays parked here until an operator retries it or a launch succeeds;
+when its catalog definition changes the policy stops treating it as parked (the fingerprint no
+longer equals ``parked_fingerprint``), and the next failure starts a fresh ladder.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from scheduler.errors import ModelNotParked
+from scheduler.models import PlacementDecision, RecoveryState
+from scheduler.policy import recovery
+from scheduler.policy.inputs import FailureState, Settings
+from tenancy import audit
+
+log = logging.getLogger(__name__)
+KINDS = tuple(RecoveryState.Kind.values)
+
+
+def _state(row: RecoveryState) -> FailureState:
+    return FailureState(kind=row.kind, consecutive=row.consecutive,
+                        last_failure_at=row.last_failure_at.timestamp() if row.last_failure_at else None,
+                        level=row.level, parked=row.parked, parked_fingerprint=row.parked_fingerprint,
+                        last_error=row.last_error)
+
+
+def note_failure(model: str, kind: str, error: str = "", fingerprint: str = "", *, at=None,
+                 settings: Settings = Settings()) -> RecoveryState:
+    """One more failed launch of ``model`` (crash / oom / hang), one step down the ladder.
+
+    Failures of an earlier definition (another fingerprint) are forgotten first: a changed model
+    starts a fresh ladder."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown launch failure kind {kind!r}; expected one of {', '.join(KINDS)}")
+    now = at or timezone.now()
+    with transaction.atomic():
+        row, _ = RecoveryState.objects.select_for_update().get_or_create(model=model)
+        changed = bool(fingerprint and row.fingerprint and fingerprint != row.fingerprint)
+        previous = None if changed or (row.consecutive <= 0 and not row.parked) else _state(row)
+        state = recovery.record_failure(previous, kind, now.timestamp(), error, settings, fingerprint)
+        was_parked = row.parked and not changed
+        became_parked = state.parked and not was_parked
+        row.kind, row.consecutive, row.level = state.kind, state.consecutive, state.level
+        row.last_failure_at, row.last_error, row.fingerprint = now, state.last_error, fingerprint
+        row.parked, row.parked_fingerprint = state.parked, state.parked_fingerprint
+        if became_parked:
+            row.parked_at = now
+        elif not state.parked:
+            row.parked_at = None
+        row.save()
+    if became_parked:
+        log.warning("model %s parked after %d launch failure(s) in a row (last: %s): %s; it is not placed again "
+                    "until its definition changes or an operator retries it", model, row.consecutive, kind,
+                    row.last_error or "no detail")
+    return row
+
+
+def note_success(model: str) -> bool:
+    """A replica of ``model`` became ready: its failure memory is reset (one UPDATE, nothing when
+    there is nothing to forget). True when a row was reset."""
+    return bool(RecoveryState.objects.filter(model=model).filter(Q(consecutive__gt=0) | Q(parked=True)).update(
+        kind="", consecutive=0, level=0, parked=False, parked_at=None, parked_fingerprint="",
+        updated_at=timezone.now()))
+
+
+def failure_states() -> dict[str, FailureState]:
+    """Every model's failure memory as the policy reads it (``Snapshot.failures``)."""
+    rows = RecoveryState.objects.filter(Q(consecutive__gt=0) | Q(parked=True))
+    return {row.model: _state(row) for row in rows}
+
+
+def _quarantined_by_policy(rows) -> dict[str, dict]:
+    """Among models with failures that the ladder did not park itself, those whose latest applied
+    plan parked them anyway (out of memory or a hang with no fallback configured: the policy
+    quarantines them), with that decision's detail and time."""
+    names = [r.model for r in rows if not r.parked and r.consecutive > 0]
+    if not names:
+        return {}
+    latest = (PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN, model__in=names)
+              .order_by("model", "-created_at", "-id").distinct("model").values("model", "verdict", "detail",
+                                                                                  "created_at"))
+    return {d["model"]: d for d in latest if d["verdict"] == PlacementDecision.Verdict.PARKED}
+
+
+def describe(row: RecoveryState, decision: dict | None = None) -> dict:
+    """A row as the API and the console show it; ``decision`` when the policy parked it."""
+    if row.parked:
+        why = f"parked after {row.consecutive} failure(s) in a row: {row.last_error or row.kind}"
+        since = row.parked_at
+    elif decision is not None:
+        why, since = decision["detail"], decision["created_at"]
+    else:
+        why, since = "", None
+    return {"model": row.model, "parked": row.parked or decision is not None, "kind": row.kind,
+            "consecutive": row.consecutive, "level": row.level, "last_error": row.last_error,
+            "last_failure_at": row.last_failure_at, "since": since, "detail": why,
+            "retried_by": row.retried_by, "retried_at": row.retried_at, "retriable": True}
+
+
+def parked(limit: int = 200) -> list[dict]:
+    """Parked models, most recently parked first: those the ladder parked, and those with failures
+    that the policy quarantined (see ``_quarantined_by_policy``)."""
+    rows = list(RecoveryState.objects.filter(Q(parked=True) | Q(consecutive__gt=0)).order_by("model"))
+    by_policy = _quarantined_by_policy(rows)
+    found = [describe(r, by_policy.get(r.model)) for r in rows if r.parked or r.model in by_policy]
+    found.sort(key=lambda d: (d["since"] is None, -(d["since"].timestamp() if d["since"] else 0), d["model"]))
+    return found[:limit]
+
+
+def retry(actor: audit.Actor, model: str) -> RecoveryState:
+    """An operator's retry: the model's failure memory is reset so the next pass places it again."""
+    with transaction.atomic():
+        row = RecoveryState.objects.select_for_update().filter(model=model).first()
+        if row is None or not (row.parked or row.model in _quarantined_by_policy([row])):
+            raise ModelNotParked(f"Model {model} is not parked: there is nothing to retry.", details={"model": model})
+        before = {"kind": row.kind, "consecutive": row.consecutive, "level": row.level,
+                  "parked_at": row.parked_at, "last_error": row.last_error[:300]}
+        row.kind, row.consecutive, row.level = "", 0, 0
+        row.parked, row.parked_at, row.parked_fingerprint = False, None, ""
+        row.retried_by, row.retried_at = actor.written, timezone.now()
+        row.save()
+        audit.record(actor, "placement.retry", row, details={"model": model, "was": before})
+    log.info("model %s retried by %s after %d failure(s)", model, actor.written, before["consecutive"])
+    return row
