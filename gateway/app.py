@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import socket
 import time
 
 import aiohttp
@@ -36,7 +37,7 @@ from gateway.limits import LocalLimiter, Limiter
 from gateway.threads import run_db
 from gateway.upstream import Balancer
 from gateway.usage import UsageRecorder
-from serving import routing
+from serving import load, routing
 from tenancy import events
 from tenancy.services.clients import credential_from_header
 
@@ -166,6 +167,7 @@ class Gateway:
         self._starting: asyncio.Lock | None = None
         self._tasks: list[asyncio.Task] = []
         self.waiting: dict[str, int] = {}
+        self.waiting_began: dict[str, dict[int, float]] = {}  # model → {call id: when it began waiting}
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -205,6 +207,7 @@ class Gateway:
             if self.redis is not None:
                 self._tasks.append(loop.create_task(self._listen()))
             self._tasks.append(loop.create_task(self._housekeeping()))
+            self._tasks.append(loop.create_task(self._report_load()))
             self.ready = True
 
     async def shutdown(self) -> None:
@@ -251,6 +254,32 @@ class Gateway:
         while True:
             await asyncio.sleep(30)
             self.auth.purge()
+
+    async def _report_load(self) -> None:
+        """Tell the placement loop what this process has in flight per replica and waiting per model
+        (active replicas are never evicted; waiting and busy models are wanted). Silent while idle:
+        a report goes out while there is load, and once more when it ends."""
+        process = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        reported = False
+        try:
+            while True:
+                await asyncio.sleep(load.PUBLISH_EVERY_S)
+                busy = dict(self.balancer.outstanding)
+                waiting = {m: n for m, n in self.waiting.items() if n > 0}
+                since = {m: min(began.values()) for m, began in self.waiting_began.items() if began}
+                if not busy and not waiting and not reported:
+                    continue
+                try:
+                    await run_db(load.publish, process, busy, waiting, waiting_since=since)
+                    reported = bool(busy or waiting)
+                except Exception as exc:  # noqa: BLE001 - the next report follows in a few seconds
+                    log.warning("could not report load: %s", exc)
+        finally:
+            if reported:
+                try:
+                    await asyncio.shield(run_db(load.withdraw, process))
+                except Exception:  # noqa: BLE001 - the report goes stale on its own
+                    pass
 
     # -- ASGI ----------------------------------------------------------------------------------
 
@@ -460,6 +489,7 @@ class Gateway:
             raise QueueFull(f"Too many requests are waiting for {model} to load; retry later.",
                             details={"model": model, "queue": self.queue_size})
         self.waiting[model] = self.waiting.get(model, 0) + 1
+        self.waiting_began.setdefault(model, {})[id(call)] = time.time()
         metrics.WAITING.labels(model).inc()
         began = time.perf_counter()
         try:
@@ -483,6 +513,7 @@ class Gateway:
                 await asyncio.sleep(min(0.25, left))
         finally:
             self.waiting[model] -= 1
+            self.waiting_began[model].pop(id(call), None)
             metrics.WAITING.labels(model).dec()
             call.queue_ms = round((time.perf_counter() - began) * 1000, 3)
             metrics.QUEUE.labels(model).observe(call.queue_ms / 1000)

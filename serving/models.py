@@ -89,6 +89,8 @@ class Replica(models.Model):
     ready_at = models.DateTimeField(null=True, blank=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
     exit_reason = models.CharField(max_length=300, blank=True)
+    waits_for = models.JSONField(default=list, blank=True,
+                                 help_text="Replicas stopped to make room for this one: it starts once they have.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

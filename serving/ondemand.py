@@ -3,9 +3,11 @@
 A catalog entry whose scaling minimum is 0 has no replica until a request asks for it. The
 gateway calls ``serving.routing.request_load`` for a model with no ready replica; that calls
 ``load`` here, which starts the model's stopped deployment or places a new one. The gateway tells
-us when models were last used (``note_used``, batched with its usage records); the reconcile loop
-stops those idle past their timeout. Idle time that is not known (after a restart) is not idle:
-the clock starts when we first see the model running.
+us when models were last used (``note_used``, batched with its usage records); the placement
+policy stops those idle past their timeout (``last_used`` is what its snapshot reads). Idle time
+that is not known (after a restart) is not idle: the clock starts when we first see the model
+running. A load that fits on no node as it stands asks the placement policy, which may make room
+by stopping idle on-demand replicas of lower (or, for a load, equal) classes.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def load(name: str) -> Deployment:
         stopped = Deployment.objects.filter(name=entry.name, state__in=(S.STOPPED, S.FAILED)) \
             .order_by("-created_at").first()
         if stopped is not None:
-            return service.start(ACTOR, stopped)
+            try:
+                return service.start(ACTOR, stopped)
+            except BerthError as error:  # no room where it ran last: place it afresh
+                log.info("%s cannot start where it ran (%s); placing it afresh", entry.name, error.message)
         return _place(entry)
 
 
@@ -68,8 +73,17 @@ def _place(entry: ModelEntry) -> Deployment:
             return service.deploy(ACTOR, deploy_request(entry, node))
         except BerthError as error:  # does not fit here: try the next node
             refusals.append(f"{node.name}: {error.message}")
-    raise NotLoadable(f"{entry.name} fits on no node now ({'; '.join(refusals) or 'no ready node'}).",
-                      details={"refusals": refusals})
+    # Fits nowhere as the fleet stands: the policy may make room (idle on-demand replicas first).
+    from serving.deployments import placement
+
+    outcome = placement.reconcile(waiting={entry.name: 1})
+    placed = Deployment.objects.filter(name=entry.name, state__in=states.ACTIVE + (S.PLANNED,)).first()
+    if placed is not None:
+        return placed
+    why = outcome.get("unschedulable", {}).get(entry.name)
+    raise NotLoadable(f"{entry.name} fits on no node now ({'; '.join(refusals) or 'no ready node'})"
+                      + (f"; the placement policy: {why}" if why else "") + ".",
+                      details={"refusals": refusals, "policy": why or ""})
 
 
 def _used_key(name: str) -> str:
@@ -82,23 +96,15 @@ def note_used(last_used: dict[str, float]) -> None:
         cache.set_many({_used_key(name): at for name, at in last_used.items()}, None)
 
 
-def unload_idle(now: float | None = None) -> list[str]:
-    """Stop the ready deployments of on-demand models idle past their timeout; return their names."""
+def last_used(names, running, now: float | None = None) -> dict[str, float]:
+    """When each of ``names`` was last used (epoch seconds), where known. A model in ``running``
+    whose last use is not known (the gateway has not served it since a restart) starts its idle
+    clock now: not known is not idle."""
     now = now or time.time()
-    entries = {e.name: e for e in ModelEntry.objects.filter(scaling_min=0)}
-    running = list(Deployment.objects.filter(name__in=entries, state=S.READY))
-    if not running:
-        return []
-    seen = cache.get_many([_used_key(d.name) for d in running])
-    stopped = []
-    for deployment in running:
-        last = seen.get(_used_key(deployment.name))
-        if last is None:  # not known is not idle: start counting now
-            cache.set(_used_key(deployment.name), now, None)
-            continue
-        timeout = entries[deployment.name].idle_timeout_seconds or DEFAULT_IDLE_SECONDS
-        if now - last >= timeout:
-            log.info("unloading %s: idle for %.0f s (timeout %s s)", deployment.name, now - last, timeout)
-            service.stop(ACTOR, deployment)
-            stopped.append(deployment.name)
-    return stopped
+    names = sorted(set(names))
+    seen = cache.get_many([_used_key(name) for name in names])
+    found = {name: float(seen[_used_key(name)]) for name in names if _used_key(name) in seen}
+    fresh = {name: now for name in set(running) - set(found)}
+    if fresh:
+        cache.set_many({_used_key(name): at for name, at in fresh.items()}, None)
+    return {**found, **fresh}

@@ -50,14 +50,12 @@ def run_operation(operation_id: str) -> str:
 @shared_task(name="serving.reconcile")
 def reconcile() -> int:
     """The control side of reconciliation: replicas on a lost node are failed and what they held is
-    given back (their agent cannot report, and cannot be asked to stop them); on-demand models idle
-    past their timeout are unloaded; the placement policy's plan is applied."""
-    from serving import ondemand
+    given back (their agent cannot report, and cannot be asked to stop them); the placement policy's
+    plan is applied (it also unloads on-demand models idle past their timeout)."""
     from serving.deployments import placement
     from serving.deployments.reconcile import fail_replicas_of_lost_nodes
 
     failed = fail_replicas_of_lost_nodes()
-    ondemand.unload_idle()
     placement.reconcile()  # Scheduler II's plan for the catalog's models, applied
     return failed
 

@@ -22,6 +22,7 @@ from tenancy import access, audit
 from tenancy.audit import Actor
 
 DEFAULT_CONTEXT = 4096
+MIN_DEGRADED_CONTEXT = 256  # a degraded relaunch halves the context, never below this
 ENTRY_FIELDS = ("name", "aliases", "description", "task", "source_kind", "source_repo", "source_revision",
                 "source_path", "source_package", "format", "quantisation", "architecture", "profiles", "scaling_min",
                 "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks")
@@ -43,7 +44,7 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
     its source or profiles change, an audit event in the same transaction."""
     defaults = {"aliases": [], "description": "", "task": "chat", "source_repo": "", "source_revision": "",
                 "source_path": "", "source_package": "", "quantisation": "", "architecture": "", "scaling_min": 0,
-                "scaling_max": 1, "idle_timeout_seconds": None, "service_class": "standard", "fallbacks": []}
+                "scaling_max": 1, "idle_timeout_seconds": None, "service_class": "", "fallbacks": []}
     merged = {**defaults, **(as_fields(entry) if entry else {}), **fields}
     validation.require_valid(merged)
     clash = ModelEntry.objects.filter(name=merged["name"]).exclude(pk=entry.pk if entry else None).first()
@@ -303,14 +304,24 @@ def nodes_holding(paths: list[str]) -> dict[str, list[str]]:
     return {path: sorted(names) for path, names in held.items()}
 
 
-def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accelerator=None, another_replica=False):
+def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accelerator=None, another_replica=False,
+                   level: int = 0, serves_as: str | None = None, waits_for: tuple[str, ...] = ()):
     """How one replica of a catalog model is deployed on ``node``: its profile's file and settings,
-    the entry's task and owner. On-demand loads and the placement loop both deploy through this."""
+    the entry's task and owner. On-demand loads and the placement loop both deploy through this.
+
+    ``level`` 1 is the recovery ladder's degraded relaunch after running out of memory or hanging:
+    half the context (the KV cache shrinks with it). ``serves_as`` deploys this entry under another
+    model's name: the ladder's fallback to a smaller model, answering for the one that failed.
+    ``waits_for`` names replicas stopped to make room: the new one starts once they have."""
     from serving.deployments.service import DeployRequest
 
     chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None) or {}
+    config = {key: chosen[key] for key in ("context", "parallel") if chosen.get(key)}
+    if level >= 1:
+        context = config.get("context") or DEFAULT_CONTEXT
+        config["context"] = max(MIN_DEGRADED_CONTEXT, context // 2)
     return DeployRequest(
-        name=entry.name, model_path=str(served_path(entry, chosen.get("name"))), node=node,
-        engine=chosen.get("engine") or "llamacpp", task=entry.task,
-        config={key: chosen[key] for key in ("context", "parallel") if chosen.get(key)}, accelerator=accelerator,
-        owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica)
+        name=serves_as or entry.name, model_path=str(served_path(entry, chosen.get("name"))), node=node,
+        engine=chosen.get("engine") or "llamacpp", task=entry.task, config=config, accelerator=accelerator,
+        owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica,
+        waits_for=tuple(waits_for))

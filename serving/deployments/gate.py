@@ -2,7 +2,9 @@
 
 An engine sizing its cache while another starts can fail, so starts take turns. A replica that
 finds every slot taken keeps its reservation and port and waits as ``queued``, first come first
-served. Stops and sleeps never pass through the gate.
+served. A replica launched in the room of preempted ones (``waits_for``) also waits, queued,
+until they have stopped: their reservations were handed over at once, their memory is free only
+once their engines exit. Stops and sleeps never pass through the gate.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from serving.deployments import states
 from serving.models import DeploymentState as S, Replica
 
 BUSY = (S.STARTING, S.LOADING)
+STOPPED = (S.STOPPED, S.FAILED)
 
 
 def claim(replica: Replica) -> bool:
@@ -29,9 +32,13 @@ def claim(replica: Replica) -> bool:
         ahead = Replica.objects.filter(node_id=replica.node_id, state=S.QUEUED).exclude(pk=replica.pk)
         if replica.state == S.QUEUED:
             ahead = ahead.filter(queued_at__lt=replica.queued_at)
-        if busy < settings.SERVING_STARTUP_SLOTS and not ahead.exists():
+        handing_over = Replica.objects.filter(public_id__in=replica.waits_for).exclude(state__in=STOPPED).count() \
+            if replica.waits_for else 0
+        if busy < settings.SERVING_STARTUP_SLOTS and not ahead.exists() and not handing_over:
             return states.move(replica, S.STARTING, "start-up slot taken")
-        if replica.state != S.QUEUED:
+        if handing_over and replica.state != S.QUEUED:
+            states.move(replica, S.QUEUED, f"waiting for {handing_over} replica(s) stopped to make room for it")
+        elif replica.state != S.QUEUED:
             position = ahead.count() + 1
             states.move(replica, S.QUEUED, f"waiting for a start-up slot on {replica.node.name} "
                                            f"(position {position}; {busy} starting)")

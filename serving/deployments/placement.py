@@ -14,14 +14,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Mapping
+
+from django.core.cache import cache
+from django.db import transaction
 
 from berth.errors import BerthError
-from scheduler import placement_service
+from scheduler import placement_service, recovery_service
 from scheduler.models import Accelerator, Node
-from scheduler.policy import plan as policy
-from scheduler.policy.inputs import ReplicaInfo, Scaling, Snapshot
+from scheduler.policy import plan as policy, scaling
+from scheduler.policy.inputs import Hold, ReplicaInfo, Scaling, Snapshot
 from scheduler.snapshot import contracts_from_tenancy, inventory, reservations_as_replicas
-from serving import ondemand
+from serving import load, ondemand
 from serving.catalog import room
 from serving.catalog.entries import deploy_request
 from serving.catalog.models import ModelEntry
@@ -34,14 +38,39 @@ ACTOR = Actor(system="placement")
 COUNTING = (S.PLANNED, S.QUEUED, S.STARTING, S.LOADING, S.READY)
 
 
+SCALE_KEY = "berth:placement:scale:"
+HOLDS_KEY = "berth:placement:holds"
+
+
 def _stamp(moment) -> float | None:
     return moment.timestamp() if moment else None
 
 
-def snapshot() -> Snapshot:
+def _slots(entry: ModelEntry) -> int | None:
+    """How many requests one replica takes at once, as configured: llama.cpp's parallel slots,
+    vLLM's max_num_seqs (its default is 256)."""
+    profile = next(iter(entry.profiles or []), None) or {}
+    if (profile.get("engine") or "llamacpp") == "vllm":
+        return int(profile.get("max_num_seqs") or 256)
+    return int(profile.get("parallel") or 1)
+
+
+def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = None,
+             live: load.Load | None = None, extra: Mapping[str, int] | None = None) -> Snapshot:
+    """The policy's inputs: the catalog's models, the replicas running them, what the gateway sees
+    of load (requests in flight per replica: active replicas are never evicted; requests waiting
+    for a model), when each model was last used (idle on-demand replicas go), the recovery
+    ladder's memory, and the holds carried from the last plan. ``waiting`` adds requests a caller
+    knows of (an on-demand load asking now); ``extra`` the load-added replicas per model."""
+    now = time.time() if now is None else now
+    live = live if live is not None else load.current(now)
+    wanted = dict(live.waiting)
+    for name, count in (waiting or {}).items():
+        wanted[name] = max(wanted.get(name, 0), count)
     entries = {e.name: e for e in ModelEntry.objects.select_related("owner")}
-    # Idle on-demand replicas are unloaded by ``serving.ondemand`` (from the gateway's last-use
-    # notes): the policy is not told when models were used, so it never also unloads them as idle.
+    rows = list(Replica.objects.select_related("deployment", "node")
+                .filter(deployment__name__in=entries, state__in=COUNTING))
+    used = ondemand.last_used(entries, {r.deployment.name for r in rows}, now)
     models = []
     for entry in entries.values():
         desired = room.desired_model(entry)
@@ -50,33 +79,78 @@ def snapshot() -> Snapshot:
         models.append(dataclasses.replace(
             desired, scaling=Scaling(min=entry.scaling_min, max=max(entry.scaling_max, entry.scaling_min),
                                      idle_timeout_s=entry.idle_timeout_seconds or ondemand.DEFAULT_IDLE_SECONDS),
-            fallbacks=tuple(entry.fallbacks or ())))
+            fallbacks=tuple(entry.fallbacks or ()), last_requested_at=used.get(entry.name),
+            waiting=wanted.get(entry.name, 0), waiting_since=live.waiting_since.get(entry.name),
+            extra=(extra or {}).get(entry.name, 0)))
     replicas, catalog_holders = [], set()
-    for replica in (Replica.objects.select_related("deployment", "node")
-                    .filter(deployment__name__in=entries, state__in=COUNTING)):
+    for replica in rows:
         deployment = replica.deployment
         catalog_holders.add(service.holder_of(replica))
         accelerators = tuple(str(a) for a in Accelerator.objects.filter(uuid__in=deployment.gpu_uuids)
                              .values_list("public_id", flat=True))
+        in_flight = live.in_flight.get(str(replica.public_id), 0)
         replicas.append(ReplicaInfo(
             id=str(replica.public_id), model=deployment.name, profile=deployment.config.get("profile", ""),
             node=replica.node.name, accelerators=accelerators, memory_bytes=replica.memory_reserved_bytes or 0,
             cpu_cores=deployment.cores or 0, state="ready" if replica.state == S.READY else "starting",
+            active_requests=in_flight, last_used_at=now if in_flight else used.get(deployment.name),
             ready_since=_stamp(replica.ready_at),
             load_seconds=(replica.ready_at - replica.started_at).total_seconds()
             if replica.ready_at and replica.started_at else None,
             created_at=replica.created_at.timestamp()))
     others = tuple(r for r in reservations_as_replicas() if r.id.removeprefix("reservation:") not in catalog_holders)
-    return Snapshot(now=time.time(), nodes=inventory(), models=tuple(models), replicas=tuple(replicas) + others,
-                    contracts=contracts_from_tenancy())
+    return Snapshot(now=now, nodes=inventory(), models=tuple(models), replicas=tuple(replicas) + others,
+                    contracts=contracts_from_tenancy(), failures=recovery_service.failure_states(),
+                    holds=tuple(Hold(**h) for h in cache.get(HOLDS_KEY) or ()))
 
 
-def reconcile() -> dict:
+def scale(now: float, live: load.Load) -> dict[str, int]:
+    """One load-scaling step per model whose maximum exceeds its base; returns the load-added
+    replicas per model. Each change is logged with the load behind it."""
+    extra = {}
+    entries = [e for e in ModelEntry.objects.all() if e.scaling_max > max(e.scaling_min, 1)]
+    if not entries:
+        return extra
+    replicas = list(Replica.objects.filter(deployment__name__in=[e.name for e in entries], state__in=COUNTING)
+                    .values_list("deployment__name", "public_id", "state"))
+    states = {key: scaling.ScaleState(**value) for key, value in
+              cache.get_many([SCALE_KEY + e.name for e in entries]).items()}
+    for entry in entries:
+        mine = [(str(pid), state) for name, pid, state in replicas if name == entry.name]
+        ready = [pid for pid, state in mine if state == S.READY]
+        current = states.get(SCALE_KEY + entry.name, scaling.ScaleState())
+        decision = scaling.step(current, scaling.Load(replicas=len(ready), running=live.running(ready),
+                                                      waiting=live.waiting.get(entry.name, 0),
+                                                      starting=len(mine) - len(ready)),
+                                base=max(entry.scaling_min, 1 if mine else 0), maximum=entry.scaling_max,
+                                now=now, max_concurrency=_slots(entry))
+        if decision.change:
+            log.info("load scaling %s: %s", entry.name, decision.reason)
+        cache.set(SCALE_KEY + entry.name, dataclasses.asdict(decision.state), None)
+        extra[entry.name] = decision.state.extra
+    return extra
+
+
+def _unpark_changed(snap: Snapshot) -> None:
+    """A parked model whose definition changed since is parked no more (the policy already places
+    it): its recovery memory starts afresh, so the parked list stops showing it."""
+    prints = {m.id: m.fingerprint for m in snap.models}
+    for name, state in snap.failures.items():
+        if state.parked and state.parked_fingerprint and prints.get(name) not in (None, "", state.parked_fingerprint):
+            recovery_service.note_success(name)
+
+
+def reconcile(waiting: Mapping[str, int] | None = None) -> dict:
     """One pass: decide, record the evidence, apply. Returns what was done (for logs and tests)."""
-    snap = snapshot()
+    now = time.time()
+    live = load.current(now)
+    snap = snapshot(waiting, now=now, live=live, extra=scale(now, live))
+    _unpark_changed(snap)
     plan = policy.schedule(snap)
+    cache.set(HOLDS_KEY, [dataclasses.asdict(h) for h in plan.holds], None)
+    unschedulable = {u.model: u.reason for u in plan.unschedulable}
     if plan.empty and not plan.unschedulable:
-        return {"launched": [], "evicted": []}
+        return {"launched": [], "evicted": [], "unschedulable": unschedulable}
     placement_service.record_plan(snap, plan)
     evicted, launched = [], []
     for eviction in plan.evictions:
@@ -84,13 +158,18 @@ def reconcile() -> dict:
         if replica is None or replica.state not in COUNTING:
             continue
         try:
-            service.stop(ACTOR, replica.deployment)
+            with transaction.atomic():
+                service.stop(ACTOR, replica.deployment)
+                if eviction.beneficiary:
+                    # Hand its reservation over now, so the beneficiary's launch below fits; that
+                    # launch waits at the start-up gate until this engine has exited.
+                    service.release(replica)
             evicted.append(replica.deployment.name)
         except BerthError as error:
             log.warning("could not evict %s (%s): %s", replica, eviction.reason, error.message)
     entries = {e.name: e for e in ModelEntry.objects.select_related("owner")}
     for launch in plan.launches:
-        entry = entries.get(launch.model)
+        entry = entries.get(launch.serves_for or launch.model)
         node = Node.objects.filter(name=launch.node).first()
         if entry is None or node is None:
             continue
@@ -98,8 +177,10 @@ def reconcile() -> dict:
             if launch.accelerators else None
         try:
             service.deploy(ACTOR, deploy_request(entry, node, profile=launch.profile or None, accelerator=accelerator,
-                                                 another_replica=True))
-            launched.append(entry.name)
+                                                 another_replica=True, level=launch.level,
+                                                 serves_as=launch.model if launch.serves_for else None,
+                                                 waits_for=launch.beneficiary_of))
+            launched.append(launch.model)
         except BerthError as error:  # the next pass sees why (the node changed since the snapshot)
-            log.warning("could not launch %s on %s: %s", entry.name, node.name, error.message)
-    return {"launched": launched, "evicted": evicted}
+            log.warning("could not launch %s on %s: %s", launch.model, node.name, error.message)
+    return {"launched": launched, "evicted": evicted, "unschedulable": unschedulable}

@@ -48,6 +48,8 @@ class DeployRequest:
     cores: int | None = None
     # The placement loop adds replicas of a catalog model: more than one deployment serves its name.
     another_replica: bool = False
+    # Replicas stopped to make room for this one (preemption): it starts once they have stopped.
+    waits_for: tuple[str, ...] = ()
 
 
 def estimation_config(engine: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +130,7 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
                 gpu_uuids=[request.accelerator.uuid] if request.accelerator else [], owner=request.owner,
                 priority=request.priority, cores=request.cores, memory_reserved_bytes=reserve_bytes,
                 estimate=result.estimate.as_dict(), created_by=actor.user)
-            _place(actor, deployment, request.accelerator, result.device)
+            _place(actor, deployment, request.accelerator, result.device, waits_for=request.waits_for)
             audit.record(actor, "deployment.create", deployment, scope=request.owner, details={
                 "name": deployment.name, "engine": deployment.engine, "runtime": deployment.runtime,
                 "node": request.node.name, "reserved_bytes": reserve_bytes})
@@ -137,12 +139,13 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
     return deployment
 
 
-def _place(actor: Actor, deployment: Deployment, accelerator: Accelerator | None, device: str) -> Replica:
+def _place(actor: Actor, deployment: Deployment, accelerator: Accelerator | None, device: str,
+           waits_for: tuple[str, ...] = ()) -> Replica:
     """A new replica of ``deployment``: a port, its memory on the node and its share of the owner's
     contracts, all claimed in the caller's transaction; the agent starts it once that commits."""
     reserve_bytes = deployment.memory_reserved_bytes
     replica = Replica.objects.create(deployment=deployment, node=deployment.node, port=ports.allocate(deployment.node),
-                                     memory_reserved_bytes=reserve_bytes, state=S.PLANNED)
+                                     memory_reserved_bytes=reserve_bytes, state=S.PLANNED, waits_for=list(waits_for))
     holder = holder_of(replica)
     memory.reserve_memory(deployment.node, holder, reserve_bytes, accelerator=accelerator,
                           description=f"{deployment.name} ({deployment.engine})")

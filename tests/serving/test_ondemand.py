@@ -9,6 +9,7 @@ from django.core.cache import cache
 from serving import ondemand
 from serving.catalog.entries import import_local
 from serving.catalog.models import ModelEntry
+from serving.deployments import placement
 from serving.models import Deployment
 from serving.routing import ModelNotLoadable, request_load
 from tenancy.audit import Actor
@@ -45,11 +46,12 @@ def test_first_request_loads_the_model_and_idle_time_unloads_it(agent, tiny_mode
     assert deployment.node.name == NODE and deployment.name == entry.name
     wait_until(lambda: Deployment.objects.filter(pk=deployment.pk, state="ready").exists(), 120, what="ready")
 
-    assert ondemand.unload_idle() == []  # its last use is not known yet: not idle, the clock starts now
+    # The placement policy unloads it once idle past its timeout.
+    assert placement.reconcile()["evicted"] == []  # its last use is not known yet: not idle, the clock starts now
     ondemand.note_used({"lazy": time.time() - 30})
-    assert ondemand.unload_idle() == []  # 30 s of a 60 s timeout
+    assert placement.reconcile()["evicted"] == []  # 30 s of a 60 s timeout
     ondemand.note_used({"lazy": time.time() - 61})
-    assert ondemand.unload_idle() == ["lazy"]
+    assert placement.reconcile()["evicted"] == ["lazy"]
     wait_until(lambda: Deployment.objects.filter(pk=deployment.pk, state="stopped").exists(), 60, what="unloaded")
 
     request_load("lazy")  # the next request starts the same deployment again
@@ -75,4 +77,5 @@ def test_an_on_demand_model_that_fits_nowhere_says_why(db, tiny_model, tmp_path,
     with pytest.raises(ModelNotLoadable, match="fits on no node now") as refused:
         request_load("lazy")
     assert "small" in refused.value.message
+    assert "the placement policy: fits nowhere" in refused.value.message  # it asked the policy too
     assert not Deployment.objects.exists()

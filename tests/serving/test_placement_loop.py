@@ -1,18 +1,26 @@
 """Serving applies Scheduler II's plans for the catalog's models: launches to meet the scaling
-minimum, surplus evicted, a fixed point once converged, and what the catalog does not know untouched."""
+minimum, surplus evicted, a fixed point once converged, what the catalog does not know untouched;
+replicas the gateway reports busy kept, load scaling, and room made for an on-demand load."""
 
 import dataclasses
 import shutil
+import time
+from datetime import timedelta
 
 import pytest
+from django.core.cache import cache
+from django.utils import timezone
 
 from scheduler.models import PlacementDecision
 from scheduler.services import register_node
+from serving import load, ondemand
+from serving.catalog import room
 from serving.catalog.entries import import_local
 from serving.catalog.models import ModelEntry
-from serving.deployments import placement, service
+from serving.deployments import gate, placement, service
 from serving.discovery import local_node_report
 from serving.models import Deployment, Replica
+from serving.routing import request_load
 from tenancy.audit import Actor
 
 pytestmark = pytest.mark.django_db
@@ -44,7 +52,7 @@ def test_the_minimum_is_launched_once_and_recorded_as_evidence(setup, django_cap
     deployment = Deployment.objects.get(name="placed")
     assert deployment.node == node and sent == [("start", "placed")]
     assert PlacementDecision.objects.filter(model="placed").exists()
-    assert placement.reconcile() == {"launched": [], "evicted": []}  # converged: a fixed point
+    assert placement.reconcile() == {"launched": [], "evicted": [], "unschedulable": {}}  # converged: a fixed point
     assert serving_count() == 1
 
 
@@ -72,3 +80,110 @@ def test_deployments_the_catalog_does_not_know_are_left_alone(setup, tiny_model,
     placement.reconcile()
     manual.refresh_from_db()
     assert manual.state == "planned" and serving_count("by-hand") == 1
+
+
+def mark_ready(name, ago=600):
+    """The replicas of ``name`` became ready ``ago`` seconds ago (as their agent would record)."""
+    now = timezone.now()
+    Replica.objects.filter(deployment__name=name).exclude(state__in=("stopped", "failed")).update(
+        state="ready", started_at=now - timedelta(seconds=ago + 10), ready_at=now - timedelta(seconds=ago))
+    Deployment.objects.filter(name=name).exclude(state__in=("stopped", "failed")).update(state="ready")
+
+
+def live_ids(name="placed") -> list[str]:
+    return [str(r) for r in Replica.objects.filter(deployment__name=name).exclude(state__in=("stopped", "failed"))
+            .values_list("public_id", flat=True)]
+
+
+@pytest.fixture
+def gateway_reports():
+    """Publish load as a gateway process would; withdrawn after the test."""
+    yield lambda in_flight=None, waiting=None: load.publish("test-gateway", in_flight or {}, waiting or {})
+    load.withdraw("test-gateway")
+
+
+def test_replicas_with_requests_in_flight_are_not_evicted(setup, gateway_reports):
+    placement.reconcile()
+    ModelEntry.objects.filter(name="placed").update(scaling_min=2, scaling_max=2)
+    placement.reconcile()
+    mark_ready("placed")
+    gateway_reports({replica: 1 for replica in live_ids()})  # both are answering requests
+    ModelEntry.objects.filter(name="placed").update(scaling_min=1, scaling_max=1)
+    assert placement.reconcile()["evicted"] == []
+    gateway_reports({})  # the requests finished
+    assert placement.reconcile()["evicted"] == ["placed"]
+
+
+def test_load_held_for_a_minute_adds_a_replica_and_says_why(setup, gateway_reports, caplog):
+    placement.reconcile()
+    mark_ready("placed")
+    ModelEntry.objects.filter(name="placed").update(scaling_max=2)
+    (replica,) = live_ids()
+    gateway_reports({replica: 3})  # three in flight on one llama.cpp slot
+    assert placement.reconcile()["launched"] == []  # busy, but not yet for a minute
+    state = cache.get(placement.SCALE_KEY + "placed")
+    assert state["busy_since"] is not None and state["extra"] == 0
+    cache.set(placement.SCALE_KEY + "placed", {**state, "busy_since": state["busy_since"] - 61}, None)
+    with caplog.at_level("INFO", logger="serving.deployments.placement"):
+        assert placement.reconcile()["launched"] == ["placed"]
+    assert "3 in flight" in caplog.text and "one replica added" in caplog.text
+    assert PlacementDecision.objects.filter(model="placed", verdict="placed", reason_codes__contains=["load"]).exists()
+    assert serving_count() == 2
+    assert placement.reconcile()["launched"] == []  # never while another is still starting, never above max
+
+
+@pytest.fixture
+def small_node(tmp_path, settings, tiny_model, monkeypatch):
+    """A node with room for one replica of the tiny model, and two on-demand models of it."""
+    root = tmp_path / "models"
+    root.mkdir()
+    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
+    settings.SCHEDULER_SAFETY_MARGIN_UNIFIED_GIB = 0
+    sent = []
+    monkeypatch.setattr(service, "dispatch", lambda operation, replica: sent.append((operation, replica.deployment.name)))
+    for name in ("old", "new"):
+        entry = import_local(ACTOR, shutil.copy(tiny_model, tmp_path / f"{name}.gguf"), name=name)
+        ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=0, scaling_max=1,
+                                                      profiles=[{**entry.profiles[0], "context": 256}])
+    size = max(p.memory_bytes for p in room.desired_model(ModelEntry.objects.get(name="old")).profiles)
+    room_for = int(size * 1.6)
+    node = register_node(dataclasses.replace(local_node_report(), name="small-node", memory_total_bytes=room_for,
+                                             memory_available_bytes=room_for))
+    return node, sent
+
+
+def test_an_on_demand_load_that_fits_nowhere_stops_an_idle_one_and_starts_once_it_has(
+        small_node, django_capture_on_commit_callbacks):
+    node, sent = small_node
+    request_load("old")
+    mark_ready("old")
+    ondemand.note_used({"old": time.time() - 300})  # idle for five minutes: it may give way to a load
+    (victim,) = live_ids("old")
+    with django_capture_on_commit_callbacks(execute=True):
+        request_load("new")  # no room as it stands: the policy makes some
+    assert ("stop", "old") in sent
+    replica = Replica.objects.get(deployment__name="new")
+    assert replica.waits_for == [victim] and replica.node == node
+    decision = PlacementDecision.objects.get(model="old", verdict="preempted")
+    assert decision.victims == [victim] and "gave room to new" in decision.detail
+    assert not gate.claim(replica)  # the old engine has not exited yet: it waits, queued
+    replica.refresh_from_db()
+    assert replica.state == "queued"
+    Replica.objects.filter(public_id=victim).update(state="stopped")  # its agent stopped it
+    assert gate.claim(replica)
+    replica.refresh_from_db()
+    assert replica.state == "starting"
+
+
+def test_a_parked_model_is_not_placed_until_its_definition_changes(setup):
+    from scheduler import recovery_service
+    from scheduler.models import RecoveryState
+
+    fingerprint = ModelEntry.objects.get(name="placed").fingerprint
+    for _ in range(5):
+        recovery_service.note_failure("placed", "crash", "engine exited with status 1 while loading", fingerprint)
+    assert placement.reconcile()["launched"] == []
+    assert PlacementDecision.objects.filter(model="placed", verdict="parked").exists()
+    ModelEntry.objects.filter(name="placed").update(fingerprint="a-new-definition")
+    assert placement.reconcile()["launched"] == ["placed"]
+    assert not RecoveryState.objects.get(model="placed").parked  # the parked list stops showing it
