@@ -8,7 +8,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from serving.catalog import entries, fetch, hub, room, servability
+from serving.catalog import entries, fetch, hub, placing, room, servability
 from serving.catalog.models import FetchJob, ModelEntry, ModelFile
 from serving.catalog.views import visible_jobs
 from tenancy import access
@@ -28,14 +28,36 @@ class ModelFileSerializer(serializers.ModelSerializer):
 
 class ModelEntrySerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.path", default=None)
+    effective_class = serializers.CharField(
+        read_only=True, help_text="The class placement gives the model: service_class, or when that is empty "
+                                  "opportunistic on demand (scaling_min 0), else standard.")
     files = ModelFileSerializer(many=True, read_only=True)
 
     class Meta:
         model = ModelEntry
         fields = ["public_id", "name", "aliases", "description", "task", "owner", "source_kind", "source_repo",
                   "source_revision", "source_path", "source_package", "format", "quantisation", "architecture",
-                  "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks",
-                  "fingerprint", "files", "created_at", "updated_at"]
+                  "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class",
+                  "fallbacks", "fingerprint", "files", "created_at", "updated_at"]
+
+
+class ModelPlacementSerializer(serializers.Serializer):
+    """What PATCH changes: a model's placement. A field left out stays as it is; the rules (max ≥ min,
+    a minimum placement can meet, who may give the model to whom) are the catalog's."""
+
+    scaling_min = serializers.IntegerField(required=False, help_text="Replicas always running; 0: on demand.")
+    scaling_max = serializers.IntegerField(required=False,
+                                           help_text="Replicas at most under load; at least the minimum.")
+    service_class = serializers.ChoiceField(
+        choices=ModelEntry.ServiceClass.choices, allow_blank=True, required=False,
+        help_text="critical > standard > opportunistic; empty: automatic "
+                  "(opportunistic when on demand, else standard).")
+    idle_timeout_seconds = serializers.IntegerField(
+        required=False, allow_null=True, help_text="An on-demand replica idle this long is stopped; null: the default.")
+    owner = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True,
+        help_text="A scope (project:acme/ml/search, its path or id) where you are member or above; "
+                  "null or empty: shared (administrators only).")
 
 
 class FetchJobSerializer(serializers.ModelSerializer):
@@ -64,13 +86,36 @@ def _owner(request, written):
 
 
 class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
-    """Models the catalog holds; their servability; removing their files; garbage collection."""
+    """Models the catalog holds; changing their placement; their servability; removing their files;
+    garbage collection."""
 
     serializer_class = ModelEntrySerializer
     lookup_field = "public_id"
+    http_method_names = ["get", "post", "patch", "head", "options"]
 
     def get_queryset(self):
         return entries.visible_entries(self.request.user).prefetch_related("files__node")
+
+    @extend_schema(request=ModelPlacementSerializer, responses=ModelEntrySerializer)
+    def partial_update(self, request, public_id=None):
+        """Change the minimum, maximum, capacity class, idle timeout or owner — the console card's rules:
+        a refusal names the field in ``details.problems``."""
+        from serving.catalog.views import held_entries
+
+        parsed = ModelPlacementSerializer(data=request.data, partial=True)
+        # A field this endpoint does not change is refused, not ignored: a caller who sends ``name``
+        # must learn that the model was not renamed.
+        unknown = set(request.data) - set(parsed.fields) if hasattr(request.data, "keys") else set()
+        if unknown:
+            raise serializers.ValidationError({name: ["Not changed here."] for name in sorted(unknown)})
+        parsed.is_valid(raise_exception=True)
+        values = dict(parsed.validated_data)
+        target = self.get_object()
+        # With its deployments: what runs counts toward a raised minimum.
+        entry = next(e for e in held_entries(request.user, verdicts=False) if e.pk == target.pk)
+        owner = placing.resolve_owner(request.user, values.pop("owner")) if "owner" in values else placing.KEEP
+        entry = placing.change(Actor.from_request(request), entry, values, owner=owner)
+        return Response(ModelEntrySerializer(entry).data)
 
     @extend_schema(request=None, responses={200: dict})
     @action(detail=True, methods=["get"])

@@ -31,6 +31,8 @@ class ModelEntry(models.Model):
         PACKAGE = "package", "Python package"
 
     class ServiceClass(models.TextChoices):
+        # Unset: the placement policy decides (scheduler.policy.inputs.DesiredModel.effective_class).
+        AUTOMATIC = "", "Automatic (opportunistic when on demand, else standard)"
         CRITICAL = "critical", "Critical"
         STANDARD = "standard", "Standard"
         OPPORTUNISTIC = "opportunistic", "Opportunistic"
@@ -54,8 +56,11 @@ class ModelEntry(models.Model):
                                 help_text="[{name, engine, file, context, parallel, cores, memory_bytes, priority}]")
     scaling_min = models.PositiveSmallIntegerField(default=0)
     scaling_max = models.PositiveSmallIntegerField(default=1)
-    idle_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
-    service_class = models.CharField(max_length=16, choices=ServiceClass.choices, default=ServiceClass.STANDARD)
+    idle_timeout_seconds = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="An on-demand replica idle this long is stopped. Empty: the default (15 minutes).")
+    service_class = models.CharField(max_length=16, choices=ServiceClass.choices, default=ServiceClass.AUTOMATIC,
+                                     blank=True, help_text="Empty: opportunistic when on demand, else standard.")
     fallbacks = models.JSONField(default=list, blank=True)
     fingerprint = models.CharField(max_length=16, blank=True, db_index=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
@@ -68,6 +73,14 @@ class ModelEntry(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def effective_class(self) -> str:
+        """The class the placement policy gives the model: its own, or when unset the policy's rule."""
+        from scheduler.policy.inputs import DesiredModel, Scaling
+
+        scaling = Scaling(min=self.scaling_min, max=self.scaling_max)
+        return DesiredModel(self.name, (), scaling, capacity_class=self.service_class).effective_class
 
 
 class ModelFile(models.Model):

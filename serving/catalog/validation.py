@@ -13,7 +13,7 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 ENGINES = ("llamacpp", "vllm")
 TASKS = ("chat", "completion", "embedding", "rerank")
-CLASSES = ("critical", "standard", "opportunistic")
+CLASSES = ("", "critical", "standard", "opportunistic")  # "": automatic (the placement policy's rule)
 FORMATS = ("gguf", "safetensors")
 
 
@@ -77,23 +77,32 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
         if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 100):
             problem(f"{where}.priority", "0 to 100.")
     low, high = entry.get("scaling_min", 0), entry.get("scaling_max", 1)
-    if not isinstance(low, int) or low < 0:
-        problem("scaling_min", "0 or more.")
-    if not isinstance(high, int) or high < 0:
-        problem("scaling_max", "0 or more.")
-    elif isinstance(low, int) and high < low:
-        problem("scaling_max", f"At least the minimum ({low}).")
+    if not _whole(low) or low < 0:
+        problem("scaling_min", f"A whole number, 0 or more (not {low!r}).")
+    if not _whole(high) or high < 0:
+        problem("scaling_max", f"A whole number, 0 or more (not {high!r}).")
+    elif _whole(low) and high < low:
+        problem("scaling_max", f"At least the minimum ({low}), not {high}.")
     timeout = entry.get("idle_timeout_seconds")
-    if timeout is not None and (not isinstance(timeout, int) or timeout < 1):
-        problem("idle_timeout_seconds", "Seconds, at least 1, or empty for never.")
-    if entry.get("service_class") not in CLASSES:
-        problem("service_class", f"One of {', '.join(CLASSES)}.")
+    if timeout is not None and (not _whole(timeout) or timeout < 1):
+        from serving.ondemand import DEFAULT_IDLE_SECONDS
+
+        problem("idle_timeout_seconds", f"Seconds, at least 1 (not {timeout!r}), or empty for the default "
+                                        f"({DEFAULT_IDLE_SECONDS} s).")
+    service_class = entry.get("service_class")
+    if service_class not in CLASSES:
+        named = ", ".join(c for c in CLASSES if c)
+        problem("service_class", f"One of {named}, or empty for automatic (not {service_class!r}).")
     fallbacks = entry.get("fallbacks") or []
     if not isinstance(fallbacks, list) or any(not isinstance(f, str) for f in fallbacks):
         problem("fallbacks", "A list of model names.")
     elif name in fallbacks:
         problem("fallbacks", "A model cannot fall back to itself.")
     return found
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def require_valid(entry: dict[str, Any]) -> None:

@@ -11,9 +11,9 @@ from django.views import View
 
 from berth.errors import BerthError, InvalidInput
 from berth.htmx import PageView, render_page
-from serving.catalog import entries, fetch, hub, room, servability, serve
+from serving.catalog import entries, fetch, hub, placing, room, servability, serve
 from serving.catalog.errors import HubUnreachable
-from serving.catalog.models import FetchJob
+from serving.catalog.models import FetchJob, ModelEntry
 from serving.catalog.tables import FetchJobTable, FileTable, HeldTable
 from tenancy import access
 from tenancy.audit import Actor
@@ -75,6 +75,10 @@ class HeldView(LoginRequiredMixin, PageView):
 
 
 class ModelCardView(LoginRequiredMixin, PageView):
+    """A held model: servability, replicas, the room for more, its placement (a form) and files.
+
+    A refused placement re-shows the form as typed, each problem under the field it concerns."""
+
     template_name = "serving/catalog/card.html"
 
     def entry(self):
@@ -85,8 +89,10 @@ class ModelCardView(LoginRequiredMixin, PageView):
         return entry
 
     def get_context_data(self, **kwargs):
+        from serving.ondemand import DEFAULT_IDLE_SECONDS
+
         context = super().get_context_data(**kwargs)
-        entry = self.entry()
+        entry = kwargs.get("entry") or self.entry()
         verdict = None
         try:
             verdict = servability.check(entries.served_path(entry))
@@ -96,23 +102,71 @@ class ModelCardView(LoginRequiredMixin, PageView):
         held = entries.nodes_holding([f.path for f in files])
         for file in files:
             file.held_on = held.get(file.path, [])
+        owners = placing.owners_for(self.request.user)
+        if entry.owner is not None and entry.owner not in owners:
+            owners.insert(0, entry.owner)  # shown as it is, even where the caller may not give it away
         context.update(entry=entry, files=FileTable(files), verdict=verdict, tab="held",
                        replicas=[(d, r) for d in entry.deployments for r in d.replica_set.all() if r.state in room.LIVE],
-                       room=room.room_for_more(entry), where=entry.placement)
+                       room=room.room_for_more(entry), where=entry.placement,
+                       values=kwargs.get("values") or placement_values(entry), problems=kwargs.get("problems") or {},
+                       refusal=kwargs.get("refusal"), other_problems=kwargs.get("other_problems") or [],
+                       may_change=placing.may_change(self.request.user, entry),
+                       owners=owners, may_share=access.is_superuser(self.request.user),
+                       classes=ModelEntry.ServiceClass.choices, default_idle=DEFAULT_IDLE_SECONDS)
         return context
 
     def post(self, request, public_id):
         entry = self.entry()
+        # A field the form did not send stays as it is (the owner too).
+        values = {**placement_values(entry),
+                  **{key: request.POST[key].strip() for key in (*placing.FIELDS, "owner") if key in request.POST}}
+        changes = {key: values[key] for key in placing.FIELDS if key in request.POST}
+        for key in ("scaling_min", "scaling_max", "idle_timeout_seconds"):
+            if key in changes:
+                changes[key] = _number(changes[key])
+        if changes.get("idle_timeout_seconds") == "":
+            changes["idle_timeout_seconds"] = None  # blank: the default
         try:
-            low, high = int(request.POST.get("scaling_min", "")), int(request.POST.get("scaling_max", ""))
-            room.check_scaling(entry, low, high)
-            entries.save_entry(Actor.from_request(request), {"scaling_min": low, "scaling_max": high}, entry=entry)
-            messages.success(request, f"{entry.name}: at least {low}, at most {high} replicas.")
-        except ValueError:
-            messages.error(request, "Minimum and maximum are whole numbers.")
+            owner = placing.resolve_owner(request.user, values["owner"]) if "owner" in request.POST else placing.KEEP
+            entry = placing.change(Actor.from_request(request), entry, changes, owner=owner)
         except BerthError as error:
-            messages.error(request, error.message)
+            problems, others = {}, []
+            for problem in (error.details.get("problems") if isinstance(error.details, dict) else None) or []:
+                if problem["field"] in placing.LABELS:  # shown under its field
+                    problems.setdefault(problem["field"], []).append(problem["message"])
+                else:
+                    others.append(f"{problem['field']}: {problem['message']}")
+            context = self.get_context_data(entry=entry, values=values, refusal=error, other_problems=others,
+                                            problems={field: {"label": placing.LABELS[field], "messages": found}
+                                                      for field, found in problems.items()})
+            return self.render_to_response(context, status=error.status)
+        messages.success(request, f"{entry.name}: {describe_placement(entry)}.")
         return redirect("serving:catalog-card", public_id=public_id)
+
+
+def _number(text: str) -> int | str:
+    """A whole number as typed, or the text itself for the validation to name."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def placement_values(entry: ModelEntry) -> dict[str, str]:
+    """The placement form's fields as the entry holds them."""
+    return {"scaling_min": str(entry.scaling_min), "scaling_max": str(entry.scaling_max),
+            "service_class": entry.service_class,
+            "idle_timeout_seconds": "" if entry.idle_timeout_seconds is None else str(entry.idle_timeout_seconds),
+            "owner": str(entry.owner.public_id) if entry.owner else ""}
+
+
+def describe_placement(entry: ModelEntry) -> str:
+    """``at least 1, at most 2 replicas, class automatic (standard), idle timeout the default, owner shared``"""
+    kind = f"automatic ({entry.effective_class})" if not entry.service_class else entry.service_class
+    idle = f"{entry.idle_timeout_seconds} s" if entry.idle_timeout_seconds else "the default"
+    owner = entry.owner.written if entry.owner else "shared"
+    return (f"at least {entry.scaling_min}, at most {entry.scaling_max} replicas, class {kind}, "
+            f"idle timeout {idle}, owner {owner}")
 
 
 class ExploreView(LoginRequiredMixin, View):

@@ -1,6 +1,7 @@
 """A held model's placement: where it runs (ready of wanted, starting, nodes) and its state (parked,
 unplaceable, idle) on Held; the room for more on its card (Scheduler II's headroom, the fit planner
-per node where that cannot be asked); the min/max form refused when placement cannot meet it."""
+per node where that cannot be asked); the min/max form refused when placement cannot meet it (the rest
+of the placement form: test_catalog_placement)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,11 @@ def test_the_card_shows_the_room_for_more(client, admin_user, held, two_fit):
 def test_a_minimum_placement_cannot_meet_is_refused_with_the_reason(client, admin_user, held, two_fit):
     client.force_login(admin_user)
     refused = client.post(f"/models/held/{held.public_id}/", {"scaling_min": "3", "scaling_max": "3"}, follow=True)
+    assert refused.status_code == 409
     assert b"at least 3 cannot be met" in refused.content and b"2 more fit (2 on cpu-01)" in refused.content
+    # Under the field it concerns, with what was typed still in the form.
+    assert b'data-field="scaling_min"><li>Always running: tiny-held: at least 3' in refused.content
+    assert b'name="scaling_min" min="0" value="3"' in refused.content
     held.refresh_from_db()
     assert (held.scaling_min, held.scaling_max) == (0, 1)
     assert PlacementDecision.objects.filter(kind="headroom", model="tiny-held").exists()  # the evidence
@@ -108,7 +113,9 @@ def test_what_runs_counts_toward_the_minimum(admin_user, held, two_fit, per_repl
 def test_max_below_min_is_refused(client, admin_user, held):
     client.force_login(admin_user)
     response = client.post(f"/models/held/{held.public_id}/", {"scaling_min": "2", "scaling_max": "1"}, follow=True)
-    assert b"At least the minimum" in response.content
+    assert response.status_code == 400
+    assert b'data-field="scaling_max"><li>At most under load: At least the minimum (2), not 1.' in response.content
+    assert b'name="scaling_min" min="0" value="2"' in response.content
 
 
 def test_held_says_where_each_model_runs_and_its_state(client, admin_user, held, two_fit, tiny_model):
