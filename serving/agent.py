@@ -186,8 +186,11 @@ def fail(replica: Replica, message: str, *, handle: Handle | None = None, exit: 
             exit = exit or stopped
         except Exception as error:  # keep failing the record even if the runtime misbehaves
             log.warning("cleaning up %s: %s", replica, error)
-    if states.move(replica, S.FAILED, message, log_tail=tail, exit_reason=message[:300]):
-        release(replica)
+    with transaction.atomic():  # failed and given back together: nobody sees one without the other
+        moved = states.move(replica, S.FAILED, message, log_tail=tail, exit_reason=message[:300])
+        if moved:
+            release(replica)
+    if moved:
         if exit is not None and exit.out_of_memory:
             _record_oom(replica, exit)
         if launch_failure:
@@ -248,8 +251,9 @@ def stop_replica(replica_id: str) -> None:
     if replica is None:
         return
     if replica.state in (S.PLANNED, S.QUEUED):
-        if states.move(replica, S.STOPPED, "cancelled before it started"):
-            release(replica)
+        with transaction.atomic():
+            if states.move(replica, S.STOPPED, "cancelled before it started"):
+                release(replica)
         return
     if replica.state in (S.STARTING, S.LOADING, S.READY, S.SLEEPING, S.UNKNOWN):
         states.move(replica, S.STOPPING, "stopping")
@@ -257,8 +261,9 @@ def stop_replica(replica_id: str) -> None:
         return
     handle = _handle(replica)
     exit = runtime_for(handle.runtime).stop(handle) if handle else None
-    if states.move(replica, S.STOPPED, "stopped" + (f" ({exit.describe()})" if exit else "")):
-        release(replica)
+    with transaction.atomic():  # stopped and given back together: nobody sees one without the other
+        if states.move(replica, S.STOPPED, "stopped" + (f" ({exit.describe()})" if exit else "")):
+            release(replica)
     admit_next(replica.node_id)
 
 

@@ -22,7 +22,7 @@ from django.db import transaction
 from berth.errors import BerthError
 from scheduler import placement_service, recovery_service
 from scheduler.models import Accelerator, Node
-from scheduler.policy import plan as policy, scaling
+from scheduler.policy import plan as policy, recovery, scaling
 from scheduler.policy.inputs import Hold, ReplicaInfo, Scaling, Snapshot
 from scheduler.snapshot import contracts_from_tenancy, inventory, reservations_as_replicas
 from serving import load, ondemand
@@ -40,6 +40,7 @@ COUNTING = (S.PLANNED, S.QUEUED, S.STARTING, S.LOADING, S.READY)
 
 SCALE_KEY = "berth:placement:scale:"
 HOLDS_KEY = "berth:placement:holds"
+UNPLACEABLE_KEY = "berth:placement:unplaceable:"
 
 
 def _stamp(moment) -> float | None:
@@ -131,6 +132,20 @@ def scale(now: float, live: load.Load) -> dict[str, int]:
     return extra
 
 
+def _log_unplaceable(plan, now: float) -> None:
+    """One log line per model that cannot be placed, repeated only when its reason changes or every
+    ten minutes (the pass runs every 15 s: the same sentence each time would drown the log)."""
+    if not plan.unschedulable:
+        return
+    keys = {u.model: UNPLACEABLE_KEY + u.model for u in plan.unschedulable}
+    said = cache.get_many(list(keys.values()))
+    for u in plan.unschedulable:
+        before = said.get(keys[u.model]) or {}
+        if recovery.should_log(before.get("reason"), before.get("at"), u.reason, now):
+            log.warning("cannot place %s (%s, %d missing): %s", u.model, u.code, u.missing, u.reason)
+            cache.set(keys[u.model], {"reason": u.reason, "at": now}, 3600)
+
+
 def _unpark_changed(snap: Snapshot) -> None:
     """A parked model whose definition changed since is parked no more (the policy already places
     it): its recovery memory starts afresh, so the parked list stops showing it."""
@@ -149,6 +164,7 @@ def reconcile(waiting: Mapping[str, int] | None = None) -> dict:
     plan = policy.schedule(snap)
     cache.set(HOLDS_KEY, [dataclasses.asdict(h) for h in plan.holds], None)
     unschedulable = {u.model: u.reason for u in plan.unschedulable}
+    _log_unplaceable(plan, now)
     if plan.empty and not plan.unschedulable:
         return {"launched": [], "evicted": [], "unschedulable": unschedulable}
     placement_service.record_plan(snap, plan)

@@ -27,6 +27,11 @@ pytestmark = pytest.mark.django_db
 ACTOR = Actor(system="tests")
 
 
+@pytest.fixture(autouse=True)
+def nothing_remembered():
+    cache.clear()  # scaling states, holds, last uses and logged reasons of earlier tests must not count here
+
+
 @pytest.fixture
 def setup(tmp_path, settings, tiny_model, monkeypatch):
     root = tmp_path / "models"
@@ -187,3 +192,16 @@ def test_a_parked_model_is_not_placed_until_its_definition_changes(setup):
     ModelEntry.objects.filter(name="placed").update(fingerprint="a-new-definition")
     assert placement.reconcile()["launched"] == ["placed"]
     assert not RecoveryState.objects.get(model="placed").parked  # the parked list stops showing it
+
+
+def test_an_unplaceable_model_is_logged_once_until_its_reason_changes(setup, settings, caplog):
+    settings.SCHEDULER_SAFETY_MARGIN_UNIFIED_GIB = 0
+    size = max(p.memory_bytes for p in room.desired_model(ModelEntry.objects.get(name="placed")).profiles)
+    register_node(dataclasses.replace(local_node_report(), name="place-node", memory_total_bytes=int(size * 1.6),
+                                      memory_available_bytes=int(size * 1.6)))  # room for one replica
+    ModelEntry.objects.filter(name="placed").update(scaling_min=3, scaling_max=3)
+    with caplog.at_level("WARNING", logger="serving.deployments.placement"):
+        placement.reconcile()
+        placement.reconcile()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cannot place placed")]
+    assert len(said) == 1 and "missing" in said[0]

@@ -534,9 +534,12 @@ def trace_replay(seed: int) -> str:
         "  0 cold starts and 0 waits come with refusing every request to the models it did not place.",
         "- count-based LRU and keep-alive refuse little because they evict anything not decoding at once,",
         "  paying for it in cold starts and waits.",
-        "- Berth keeps what is used, loads on demand and evicts only idle replicas past the minimum",
-        "  lifetime, at most 3 victims at a time; what it refuses are requests for models that could not get",
-        "  room within the wait under those rules (see the refused column against the minimum lifetime row).",
+        "- Berth keeps what is used (30 min idle timeout), loads on demand, and makes room only from idle",
+        "  replicas (not decoding for 10 s) ready for at least the minimum lifetime, at most 3 victims on one",
+        "  place, worth no more than the load unless its requests have waited 30 s. What it refuses are",
+        "  requests for models that could not get room within the wait under those rules: mostly the",
+        "  48–70 GiB models, which need a whole GPU of replicas that are all idle and old enough (compare",
+        "  the row with a 60 s minimum lifetime).",
         "",
     ]
     return "\n".join(rows)
