@@ -247,6 +247,8 @@ SCHEDULER_MODEL_ROOTS = [Path(p).expanduser().resolve() for p in env.words("BERT
 SERVING_STARTUP_SLOTS = env.integer("BERTH_STARTUP_SLOTS", 1, minimum=1, maximum=64)
 SERVING_QUEUE_TIMEOUT_SECONDS = env.integer("BERTH_QUEUE_TIMEOUT_SECONDS", 1800, minimum=1)
 SERVING_STARTUP_TIMEOUT_SECONDS = env.integer("BERTH_STARTUP_TIMEOUT_SECONDS", 900, minimum=5)
+# A stopping replica's requests in flight (as the gateways report them) may finish for this long.
+SERVING_DRAIN_SECONDS = env.integer("BERTH_DRAIN_SECONDS", 30, minimum=0, maximum=3600)
 SERVING_HEARTBEAT_SECONDS = env.integer("BERTH_HEARTBEAT_SECONDS", 5, minimum=1, maximum=300)
 # At critical memory, stop the least important deployment rather than let the kernel's OOM killer choose.
 SERVING_AUTO_PROTECT = env.boolean("BERTH_AUTO_PROTECT", True)

@@ -25,7 +25,7 @@ from scheduler import memory, recovery_service
 from scheduler.estimation.reading import read_model
 from scheduler.models import Accelerator, Node
 from scheduler.policy.calibration import ExitClassification
-from serving import watchdog
+from serving import load, watchdog
 from serving.deployments import gate, states
 from serving.deployments.service import estimation_config, holder_of, release
 from serving.engines.registry import engine_for
@@ -36,6 +36,7 @@ from serving.runtimes.base import Exit, Handle
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # readiness polling: an engine answering /health is noticed within 50 ms
+DRAIN_POLL_SECONDS = 0.5  # the gateways report their load every 2 s
 _runtimes: dict = {}
 
 
@@ -259,12 +260,32 @@ def stop_replica(replica_id: str) -> None:
         states.move(replica, S.STOPPING, "stopping")
     if replica.state != S.STOPPING:
         return
+    drain(replica, settings.SERVING_DRAIN_SECONDS)
     handle = _handle(replica)
     exit = runtime_for(handle.runtime).stop(handle) if handle else None
     with transaction.atomic():  # stopped and given back together: nobody sees one without the other
         if states.move(replica, S.STOPPED, "stopped" + (f" ({exit.describe()})" if exit else "")):
             release(replica)
     admit_next(replica.node_id)
+
+
+def drain(replica: Replica, grace: float) -> bool:
+    """Let the requests the gateways still have in flight on a stopping replica finish (no new
+    ones are routed to it), for at most ``grace`` seconds. True when none is left."""
+    deadline = time.monotonic() + grace
+    key = str(replica.public_id)
+    while True:
+        try:
+            busy = load.current().in_flight.get(key, 0)
+        except Exception as error:  # noqa: BLE001 - no report to go by: stop now rather than hang
+            log.warning("draining %s: load unknown (%s); stopping now", replica, error)
+            return False
+        if busy == 0:
+            return True
+        if time.monotonic() >= deadline:
+            log.info("%s still had %d request(s) in flight after %.0f s; stopping it", replica, busy, grace)
+            return False
+        time.sleep(DRAIN_POLL_SECONDS)
 
 
 def _base_url(replica: Replica) -> str:

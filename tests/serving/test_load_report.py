@@ -49,3 +49,22 @@ def test_the_oldest_wait_per_model_is_kept():
     load.publish("a", {}, {"lazy": 2}, now=1000.0, waiting_since={"lazy": 990.0})
     load.publish("b", {}, {"lazy": 1, "gone": 0}, now=1000.0, waiting_since={"lazy": 995.0, "gone": 900.0})
     assert load.current(now=1001.0).waiting_since == {"lazy": 990.0}  # nothing waits for "gone" any more
+
+
+def test_a_stopping_replica_is_drained_of_what_the_gateways_have_in_flight(backend):
+    import threading
+    import types
+
+    from serving import agent
+
+    replica = types.SimpleNamespace(public_id="r-draining")
+    assert agent.drain(replica, grace=5)  # nothing in flight: at once
+    load.publish("a", {"r-draining": 1}, {})
+    finished = threading.Timer(1.0, lambda: load.publish("a", {}, {}))
+    finished.start()
+    try:
+        assert agent.drain(replica, grace=20)  # the request finished: drained
+    finally:
+        finished.join()
+    load.publish("a", {"r-draining": 2}, {})
+    assert not agent.drain(replica, grace=0.6)  # still busy after the grace: stop anyway
