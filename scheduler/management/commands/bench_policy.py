@@ -418,6 +418,7 @@ class Berth(Replay):
 
     name = "Berth policy (defaults: min lifetime 5 min)"
     settings = Settings(eviction_grace_s=10)
+    idle_timeout_s = 900  # Berth's default (serving.ondemand.DEFAULT_IDLE_SECONDS)
 
     def __init__(self, models):
         super().__init__(models)
@@ -437,7 +438,7 @@ class Berth(Replay):
         for i, m in enumerate(sorted(self.models.values(), key=lambda m: m.id)):
             catalog.append(DesiredModel(
                 m.id, (Profile("p", "vllm", 1, m.size * G),),
-                Scaling(min=1 if m.critical else 0, max=1, idle_timeout_s=1800),
+                Scaling(min=1 if m.critical else 0, max=1, idle_timeout_s=self.idle_timeout_s),
                 capacity_class="critical" if m.critical else "", priority=max(1, round(m.rate * 1000)),
                 last_requested_at=self.requested.get(m.id), waiting=1 if m.id in waiting else 0,
                 waiting_since=min((t for t, mid, _ in self.pending if mid == m.id), default=None)))
@@ -534,7 +535,7 @@ def trace_replay(seed: int) -> str:
         "  0 cold starts and 0 waits come with refusing every request to the models it did not place.",
         "- count-based LRU and keep-alive refuse little because they evict anything not decoding at once,",
         "  paying for it in cold starts and waits.",
-        "- Berth keeps what is used (30 min idle timeout), loads on demand, and makes room only from idle",
+        "- Berth keeps what is used (15 min idle timeout, its default), loads on demand, and makes room only from idle",
         "  replicas (not decoding for 10 s) ready for at least the minimum lifetime, at most 3 victims on one",
         "  place, worth no more than the load unless its requests have waited 30 s. What it refuses are",
         "  requests for models that could not get room within the wait under those rules: mostly the",
