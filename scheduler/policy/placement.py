@@ -55,7 +55,8 @@ class Fleet:
         self.on_node: dict[tuple[str, str], int] = {}
         self.count_on_node: dict[str, int] = {}
         self.model_nodes: dict[str, dict[str, int]] = {}  # model → node → replicas there
-        self._owned: set[str] = set()  # the models whose map in model_nodes this fleet may change
+        # The models whose map in model_nodes a copy may change; None: all (this fleet made them).
+        self._owned: set[str] | None = None
         self.replicas: dict[str, ReplicaInfo] = {}
         self._index: _Index | None = None
         self._shared: dict = {}  # per node set, shared by copies: shapes, weights → nodes
@@ -138,9 +139,12 @@ class Fleet:
         self.on_node[key] = self.on_node.get(key, 0) + sign
         self.count_on_node[node] = self.count_on_node.get(node, 0) + sign
         per = self.model_nodes.get(replica.model)
-        if per is None or replica.model not in self._owned:
-            per = dict(per or {})
-            self.model_nodes[replica.model] = per
+        if per is None:
+            per = self.model_nodes[replica.model] = {}
+            if self._owned is not None:
+                self._owned.add(replica.model)
+        elif self._owned is not None and replica.model not in self._owned:
+            per = self.model_nodes[replica.model] = dict(per)
             self._owned.add(replica.model)
         per[node] = per.get(node, 0) + sign
         if per[node] <= 0:

@@ -36,8 +36,6 @@ from tenancy.audit import Actor
 log = logging.getLogger(__name__)
 ACTOR = Actor(system="placement")
 COUNTING = (S.PLANNED, S.QUEUED, S.STARTING, S.LOADING, S.READY)
-
-
 SCALE_KEY = "berth:placement:scale:"
 HOLDS_KEY = "berth:placement:holds"
 UNPLACEABLE_KEY = "berth:placement:unplaceable:"
