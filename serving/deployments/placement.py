@@ -138,10 +138,16 @@ def _log_unplaceable(plan, now: float) -> None:
     keys = {u.model: UNPLACEABLE_KEY + u.model for u in plan.unschedulable}
     said = cache.get_many(list(keys.values()))
     for u in plan.unschedulable:
-        before = said.get(keys[u.model]) or {}
-        if recovery.should_log(before.get("reason"), before.get("at"), u.reason, now):
-            log.warning("cannot place %s (%s, %d missing): %s", u.model, u.code, u.missing, u.reason)
-            cache.set(keys[u.model], {"reason": u.reason, "at": now}, 3600)
+        _say_once(u.model, f"cannot place {u.model} ({u.code}, {u.missing} missing): {u.reason}", now,
+                  said.get(keys[u.model]) or {})
+
+
+def _say_once(model: str, sentence: str, now: float, before: dict | None = None) -> None:
+    key = UNPLACEABLE_KEY + model
+    before = before if before is not None else (cache.get(key) or {})
+    if recovery.should_log(before.get("reason"), before.get("at"), sentence, now):
+        log.warning("%s", sentence)
+        cache.set(key, {"reason": sentence, "at": now}, 3600)
 
 
 def _unpark_changed(snap: Snapshot) -> None:
@@ -186,6 +192,12 @@ def reconcile(waiting: Mapping[str, int] | None = None) -> dict:
         entry = entries.get(launch.serves_for or launch.model)
         node = Node.objects.filter(name=launch.node).first()
         if entry is None or node is None:
+            continue
+        if len(launch.accelerators) > 1:
+            # A deployment claims one accelerator today: a tensor-parallel replica would start on the
+            # first alone and run out of memory. Said (once per ten minutes), not half-done.
+            _say_once(launch.model, f"cannot launch {launch.model} on {len(launch.accelerators)} accelerators of "
+                                    f"{launch.node}: tensor-parallel replicas are not deployable yet", now)
             continue
         accelerator = Accelerator.objects.filter(public_id__in=launch.accelerators).first() \
             if launch.accelerators else None

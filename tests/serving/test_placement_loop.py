@@ -205,3 +205,17 @@ def test_an_unplaceable_model_is_logged_once_until_its_reason_changes(setup, set
         placement.reconcile()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cannot place placed")]
     assert len(said) == 1 and "missing" in said[0]
+
+
+def test_a_tensor_parallel_launch_is_refused_out_loud_not_half_done(setup, monkeypatch, caplog):
+    from scheduler.policy.inputs import Launch, Plan
+
+    plan = Plan(launches=(Launch(model="placed", profile="cpu", node="place-node", accelerators=("g0", "g1"),
+                                 memory_bytes=2**30),))
+    monkeypatch.setattr(placement.policy, "schedule", lambda snapshot: plan)
+    with caplog.at_level("WARNING", logger="serving.deployments.placement"):
+        assert placement.reconcile()["launched"] == []
+        assert placement.reconcile()["launched"] == []
+    said = [r.getMessage() for r in caplog.records if "tensor-parallel" in r.getMessage()]
+    assert len(said) == 1 and "2 accelerators of place-node" in said[0]
+    assert serving_count() == 0
