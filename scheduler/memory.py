@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Q, Sum
 
 from scheduler import locks
 from scheduler.errors import (
@@ -226,8 +226,28 @@ def reserve_memory(node: Node, holder: str, bytes_needed: int, *, accelerator: A
     return reservation
 
 
+def shard_holder(holder: str, index: int) -> str:
+    """The holder name of a tensor-parallel replica's shard: the first shard is the replica's own."""
+    return holder if index == 0 else f"{holder}#{index}"
+
+
+def base_holder(holder: str) -> str:
+    return holder.split("#", 1)[0]
+
+
+def reserve_shards(node: Node, holder: str, bytes_each: int, accelerators: Sequence[Accelerator | None], *,
+                   description: str = "") -> list[MemoryReservation]:
+    """Claim ``bytes_each`` on every one of ``accelerators`` (one node's; a tensor-parallel replica
+    holds a shard on each), all or none: one refusal undoes the others. ``[None]`` is the node's RAM."""
+    with transaction.atomic():
+        return [reserve_memory(node, shard_holder(holder, index), bytes_each, accelerator=accelerator,
+                               description=description)
+                for index, accelerator in enumerate(accelerators or [None])]
+
+
 def release_reservation(holder: str) -> bool:
-    deleted, _ = MemoryReservation.objects.filter(holder=holder).delete()
+    """Give back what ``holder`` holds: its reservation and those of its other shards."""
+    deleted, _ = MemoryReservation.objects.filter(Q(holder=holder) | Q(holder__startswith=f"{holder}#")).delete()
     return bool(deleted)
 
 

@@ -86,9 +86,13 @@ def reservations_as_replicas() -> tuple:
     from scheduler.policy.inputs import ReplicaInfo
 
     rows = MemoryReservation.objects.select_related("node", "accelerator").order_by("holder")
-    return tuple(ReplicaInfo(id=f"reservation:{r.holder}", model=f"reservation:{r.holder}", profile="", node=r.node.name,
-                             accelerators=(str(r.accelerator.public_id),) if r.accelerator_id else (),
-                             memory_bytes=r.bytes, pinned=True) for r in rows)
+    held: dict[str, list] = {}  # a tensor-parallel replica's shards are one stand-in on several accelerators
+    for r in rows:
+        held.setdefault(memory.base_holder(r.holder), []).append(r)
+    return tuple(ReplicaInfo(id=f"reservation:{holder}", model=f"reservation:{holder}", profile="",
+                             node=shards[0].node.name, memory_bytes=shards[0].bytes, pinned=True,
+                             accelerators=tuple(str(r.accelerator.public_id) for r in shards if r.accelerator_id))
+                 for holder, shards in held.items())
 
 
 def current_snapshot(models=(), *, now: float | None = None):

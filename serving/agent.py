@@ -27,7 +27,7 @@ from scheduler.models import Accelerator, Node
 from scheduler.policy.calibration import ExitClassification
 from serving import load, watchdog
 from serving.deployments import gate, states
-from serving.deployments.service import estimation_config, holder_of, release
+from serving.deployments.service import accelerators_of, estimation_config, holder_of, release
 from serving.engines.registry import engine_for
 from serving.engines.base import LaunchSpec
 from serving.keys import replica_key
@@ -87,9 +87,8 @@ def start_replica(replica_id: str) -> None:
 
 def _start(replica: Replica) -> None:
     deployment, node = replica.deployment, replica.node
-    accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
     try:  # at its turn, the fit is checked again against what the node has now
-        memory.reserve_memory(node, holder_of(replica), replica.memory_reserved_bytes, accelerator=accelerator,
+        memory.reserve_shards(node, holder_of(replica), replica.memory_reserved_bytes, accelerators_of(deployment),
                               description=f"{deployment.name} ({deployment.engine})")
     except BerthError as error:
         fail(replica, f"no longer fits at its turn: {error.message}")
@@ -319,10 +318,11 @@ def wake_replica(replica_id: str) -> None:
     if replica is None or replica.state != S.SLEEPING:
         return
     deployment = replica.deployment
-    accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
+    accelerators = accelerators_of(deployment)
+    accelerator = accelerators[0] if accelerators else None
     try:
-        memory.reserve_memory(replica.node, holder_of(replica), replica.memory_reserved_bytes,
-                              accelerator=accelerator, description=f"{deployment.name} (waking)")
+        memory.reserve_shards(replica.node, holder_of(replica), replica.memory_reserved_bytes, accelerators,
+                              description=f"{deployment.name} (waking)")
         vllm.wake_up(_base_url(replica), replica_key(replica.public_id),
                      reservation_bytes=replica.memory_reserved_bytes,
                      free_device_bytes=lambda: _free_bytes(replica.node, accelerator))

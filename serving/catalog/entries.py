@@ -305,14 +305,15 @@ def nodes_holding(paths: list[str]) -> dict[str, list[str]]:
 
 
 def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accelerator=None, another_replica=False,
-                   level: int = 0, serves_as: str | None = None, waits_for: tuple[str, ...] = ()):
+                   level: int = 0, serves_as: str | None = None, waits_for: tuple[str, ...] = (), shards=()):
     """How one replica of a catalog model is deployed on ``node``: its profile's file and settings,
     the entry's task and owner. On-demand loads and the placement loop both deploy through this.
 
     ``level`` 1 is the recovery ladder's degraded relaunch after running out of memory or hanging:
     half the context (the KV cache shrinks with it). ``serves_as`` deploys this entry under another
     model's name: the ladder's fallback to a smaller model, answering for the one that failed.
-    ``waits_for`` names replicas stopped to make room: the new one starts once they have."""
+    ``waits_for`` names replicas stopped to make room: the new one starts once they have; ``shards``
+    are a tensor-parallel replica's further accelerators (after ``accelerator``, on the same node)."""
     from serving.deployments.service import DeployRequest
 
     chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None) or {}
@@ -324,4 +325,4 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
         name=serves_as or entry.name, model_path=str(served_path(entry, chosen.get("name"))), node=node,
         engine=chosen.get("engine") or "llamacpp", task=entry.task, config=config, accelerator=accelerator,
         owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica,
-        waits_for=tuple(waits_for))
+        waits_for=tuple(waits_for), shards=tuple(shards))

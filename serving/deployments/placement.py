@@ -193,17 +193,14 @@ def reconcile(waiting: Mapping[str, int] | None = None) -> dict:
         node = Node.objects.filter(name=launch.node).first()
         if entry is None or node is None:
             continue
-        if len(launch.accelerators) > 1:
-            # A deployment claims one accelerator today: a tensor-parallel replica would start on the
-            # first alone and run out of memory. Said (once per ten minutes), not half-done.
-            _say_once(launch.model, f"cannot launch {launch.model} on {len(launch.accelerators)} accelerators of "
-                                    f"{launch.node}: tensor-parallel replicas are not deployable yet", now)
-            continue
-        accelerator = Accelerator.objects.filter(public_id__in=launch.accelerators).first() \
-            if launch.accelerators else None
+        found = {str(a.public_id): a for a in Accelerator.objects.filter(public_id__in=launch.accelerators)}
+        accelerators = [found[a] for a in launch.accelerators if a in found]
+        if len(accelerators) != len(launch.accelerators):
+            continue  # an accelerator went away since the snapshot: the next pass sees it
         try:
-            service.deploy(ACTOR, deploy_request(entry, node, profile=launch.profile or None, accelerator=accelerator,
-                                                 another_replica=True, level=launch.level,
+            service.deploy(ACTOR, deploy_request(entry, node, profile=launch.profile or None,
+                                                 accelerator=accelerators[0] if accelerators else None,
+                                                 shards=accelerators[1:], another_replica=True, level=launch.level,
                                                  serves_as=launch.model if launch.serves_for else None,
                                                  waits_for=launch.beneficiary_of))
             launched.append(launch.model)

@@ -43,6 +43,8 @@ class DeployRequest:
     task: str = Deployment.Task.CHAT
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     accelerator: Accelerator | None = None
+    # A tensor-parallel replica's further accelerators, on the same node: a shard on each.
+    shards: tuple[Accelerator, ...] = ()
     owner: Scope | None = None
     priority: int = 50
     cores: int | None = None
@@ -127,10 +129,10 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
             deployment = Deployment.objects.create(
                 name=request.name.strip(), task=request.task, engine=request.engine, runtime=request.runtime,
                 model_path=str(memory.allowed_model_path(request.model_path)), config=config, node=request.node,
-                gpu_uuids=[request.accelerator.uuid] if request.accelerator else [], owner=request.owner,
+                gpu_uuids=[a.uuid for a in (request.accelerator, *request.shards) if a is not None], owner=request.owner,
                 priority=request.priority, cores=request.cores, memory_reserved_bytes=reserve_bytes,
                 estimate=result.estimate.as_dict(), created_by=actor.user)
-            _place(actor, deployment, request.accelerator, result.device, waits_for=request.waits_for)
+            _place(actor, deployment, accelerators_of(deployment), result.device, waits_for=request.waits_for)
             audit.record(actor, "deployment.create", deployment, scope=request.owner, details={
                 "name": deployment.name, "engine": deployment.engine, "runtime": deployment.runtime,
                 "node": request.node.name, "reserved_bytes": reserve_bytes})
@@ -139,21 +141,29 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
     return deployment
 
 
-def _place(actor: Actor, deployment: Deployment, accelerator: Accelerator | None, device: str,
+def accelerators_of(deployment: Deployment) -> list[Accelerator]:
+    """The deployment's accelerators in its own order (the first is the one its estimate is for)."""
+    if not deployment.gpu_uuids:
+        return []
+    found = {a.uuid: a for a in Accelerator.objects.filter(uuid__in=deployment.gpu_uuids)}
+    return [found[uuid] for uuid in deployment.gpu_uuids if uuid in found]
+
+
+def _place(actor: Actor, deployment: Deployment, accelerators: list[Accelerator], device: str,
            waits_for: tuple[str, ...] = ()) -> Replica:
-    """A new replica of ``deployment``: a port, its memory on the node and its share of the owner's
-    contracts, all claimed in the caller's transaction; the agent starts it once that commits."""
+    """A new replica of ``deployment``: a port, its memory on the node (a shard on each of its
+    accelerators) and its share of the owner's contracts, all claimed in the caller's transaction;
+    the agent starts it once that commits."""
     reserve_bytes = deployment.memory_reserved_bytes
     replica = Replica.objects.create(deployment=deployment, node=deployment.node, port=ports.allocate(deployment.node),
                                      memory_reserved_bytes=reserve_bytes, state=S.PLANNED, waits_for=list(waits_for))
     holder = holder_of(replica)
-    memory.reserve_memory(deployment.node, holder, reserve_bytes, accelerator=accelerator,
+    memory.reserve_shards(deployment.node, holder, reserve_bytes, accelerators,
                           description=f"{deployment.name} ({deployment.engine})")
     if deployment.owner is not None:
-        on_gpu = device != "cpu"
+        gpus = len(accelerators) if device != "cpu" else 0
         contracts.reserve(deployment.owner, holder, actor=actor,
-                          gpu_memory_gib=round(reserve_bytes / GIB, 2) if on_gpu else 0,
-                          gpus=1 if on_gpu else 0, cores=deployment.cores or 0)
+                          gpu_memory_gib=round(reserve_bytes * gpus / GIB, 2), gpus=gpus, cores=deployment.cores or 0)
     transaction.on_commit(lambda: dispatch("start", replica))
     return replica
 
@@ -163,12 +173,12 @@ def start(actor: Actor, deployment: Deployment) -> Deployment:
     require(actor, "use", deployment)
     if deployment.state not in (S.STOPPED, S.FAILED):
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a stopped or failed deployment starts.")
-    accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
+    accelerators = accelerators_of(deployment)
     with transaction.atomic():
         if Deployment.objects.filter(name=deployment.name, state__in=states.ACTIVE + (S.PLANNED,)) \
                 .exclude(pk=deployment.pk).exists():
             raise DeploymentConflict(f"Another deployment serves {deployment.name!r} now; stop it first.")
-        _place(actor, deployment, accelerator, "gpu" if accelerator else "cpu")
+        _place(actor, deployment, accelerators, "gpu" if accelerators else "cpu")
         audit.record(actor, "deployment.start", deployment, scope=deployment.owner, details={"name": deployment.name})
     return deployment
 

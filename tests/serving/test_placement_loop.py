@@ -207,15 +207,32 @@ def test_an_unplaceable_model_is_logged_once_until_its_reason_changes(setup, set
     assert len(said) == 1 and "missing" in said[0]
 
 
-def test_a_tensor_parallel_launch_is_refused_out_loud_not_half_done(setup, monkeypatch, caplog):
-    from scheduler.policy.inputs import Launch, Plan
+def test_a_tensor_parallel_replica_holds_a_shard_on_each_of_its_accelerators(tmp_path, settings, tiny_model,
+                                                                             monkeypatch):
+    from scheduler.memory import release_reservation
+    from scheduler.models import MemoryReservation
+    from scheduler.nvml import discover_gpus
+    from scheduler.services import EngineReport, NodeReport
+    from tests.assets.recorded_nvml import RecordedNvml, recorded_smi
 
-    plan = Plan(launches=(Launch(model="placed", profile="cpu", node="place-node", accelerators=("g0", "g1"),
-                                 memory_bytes=2**30),))
-    monkeypatch.setattr(placement.policy, "schedule", lambda snapshot: plan)
-    with caplog.at_level("WARNING", logger="serving.deployments.placement"):
-        assert placement.reconcile()["launched"] == []
-        assert placement.reconcile()["launched"] == []
-    said = [r.getMessage() for r in caplog.records if "tensor-parallel" in r.getMessage()]
-    assert len(said) == 1 and "2 accelerators of place-node" in said[0]
-    assert serving_count() == 0
+    root = tmp_path / "models"
+    root.mkdir()
+    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
+    monkeypatch.setattr(service, "dispatch", lambda operation, replica: None)
+    register_node(NodeReport(name="h100-01", address="127.0.0.1", cpu_count=128, memory_total_bytes=2048 * 2**30,
+                             memory_available_bytes=1900 * 2**30, engines=(EngineReport(kind="llamacpp", version="b1"),),
+                             gpus=discover_gpus(RecordedNvml.load("h100x8"), recorded_smi(None))))
+    entry = import_local(ACTOR, shutil.copy(tiny_model, tmp_path / "tp.gguf"), name="tp")
+    ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=1, scaling_max=1,
+                                                  profiles=[{**entry.profiles[0], "gpus": 2, "context": 256}])
+    assert placement.reconcile()["launched"] == ["tp"]
+    deployment = Deployment.objects.get(name="tp")
+    replica = deployment.replica_set.get()
+    shards = list(MemoryReservation.objects.filter(holder__startswith=service.holder_of(replica)).order_by("holder"))
+    assert [r.holder for r in shards] == [service.holder_of(replica), service.holder_of(replica) + "#1"]
+    assert len(deployment.gpu_uuids) == 2 and {r.accelerator.uuid for r in shards} == set(deployment.gpu_uuids)
+    [seen] = [r for r in placement.snapshot().replicas if r.model == "tp"]
+    assert len(seen.accelerators) == 2 and not any(r.id.startswith("reservation:") for r in placement.snapshot().replicas)
+    assert placement.reconcile()["launched"] == []  # a fixed point: the two shards are one replica
+    release_reservation(service.holder_of(replica))
+    assert not MemoryReservation.objects.exists()
