@@ -310,7 +310,8 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
     the entry's task and owner. On-demand loads and the placement loop both deploy through this.
 
     ``level`` 1 is the recovery ladder's degraded relaunch after running out of memory or hanging:
-    half the context (the KV cache shrinks with it). ``serves_as`` deploys this entry under another
+    half the context (the KV cache shrinks with it) and, for llama.cpp on a GPU, three quarters of
+    the layers offloaded. ``serves_as`` deploys this entry under another
     model's name: the ladder's fallback to a smaller model, answering for the one that failed.
     ``waits_for`` names replicas stopped to make room: the new one starts once they have; ``shards``
     are a tensor-parallel replica's further accelerators (after ``accelerator``, on the same node)."""
@@ -321,6 +322,11 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
     if level >= 1:
         context = config.get("context") or DEFAULT_CONTEXT
         config["context"] = max(MIN_DEGRADED_CONTEXT, context // 2)
+        if accelerator is not None and (chosen.get("engine") or "llamacpp") == "llamacpp":
+            from scheduler.estimation.reading import read_model
+
+            # Fewer layers on the GPU too: a quarter of them run on the CPU.
+            config["gpu_layers"] = read_model(served_path(entry, chosen.get("name"))).layers * 3 // 4
     return DeployRequest(
         name=serves_as or entry.name, model_path=str(served_path(entry, chosen.get("name"))), node=node,
         engine=chosen.get("engine") or "llamacpp", task=entry.task, config=config, accelerator=accelerator,

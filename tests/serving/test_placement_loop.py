@@ -236,3 +236,26 @@ def test_a_tensor_parallel_replica_holds_a_shard_on_each_of_its_accelerators(tmp
     assert placement.reconcile()["launched"] == []  # a fixed point: the two shards are one replica
     release_reservation(service.holder_of(replica))
     assert not MemoryReservation.objects.exists()
+
+
+def test_a_degraded_relaunch_halves_the_context_and_offloads_fewer_layers(tmp_path, settings, tiny_model):
+    from scheduler.estimation.reading import read_model
+    from scheduler.models import Accelerator
+    from scheduler.nvml import discover_gpus
+    from scheduler.services import NodeReport
+    from serving.catalog.entries import deploy_request
+    from tests.assets.recorded_nvml import RecordedNvml, recorded_smi
+
+    settings.SCHEDULER_MODEL_ROOTS = [tmp_path.resolve()]
+    node = register_node(NodeReport(name="h100-01", address="127.0.0.1", memory_total_bytes=2048 * 2**30,
+                                    gpus=discover_gpus(RecordedNvml.load("h100x8"), recorded_smi(None))))
+    entry = import_local(ACTOR, shutil.copy(tiny_model, tmp_path / "d.gguf"), name="d")
+    ModelEntry.objects.filter(pk=entry.pk).update(profiles=[{**entry.profiles[0], "context": 2048}])
+    entry.refresh_from_db()
+    assert deploy_request(entry, node).config["context"] == 2048
+    degraded = deploy_request(entry, node, level=1).config
+    assert degraded["context"] == 1024 and "gpu_layers" not in degraded  # on the CPU: the context only
+    gpu = Accelerator.objects.filter(node=node).first()
+    layers = read_model(tmp_path / "d.gguf").layers
+    degraded = deploy_request(entry, node, accelerator=gpu, level=1).config
+    assert degraded["context"] == 1024 and degraded["gpu_layers"] == layers * 3 // 4
