@@ -27,7 +27,7 @@ def cpu_node(name, cores=16, mem=64, **kw):
 
 def model(mid, gib=10, gpus=1, priority=1, **kw):
     profiles = kw.pop("profiles", None) or (Profile("default", "vllm", gpus, gib * G),)
-    return DesiredModel(mid, profiles, **kw)
+    return DesiredModel(mid, profiles, priority=priority, **kw)
 
 
 def ready(rid, mid, node, accs, gib, **kw):
@@ -194,6 +194,46 @@ def test_a_critical_minimum_is_never_preempted():
     snap = Snapshot(NOW, (gpu_node("a", gpus=1),), (crit, other), (ready("r", "crit", "a", ["a-g0"], 70),))
     plan = fixed_point(snap)
     assert not plan.evictions and plan.unschedulable[0].model == "other"
+
+
+def od(mid, gib=10, priority=1, **kw):
+    """An on-demand (min 0) model."""
+    return model(mid, gib=gib, priority=priority, scaling=Scaling(min=0, max=1, idle_timeout_s=3600), **kw)
+
+
+def test_victims_are_taken_from_one_place_when_the_global_order_spreads_them():
+    # Longest idle first alternates between the two GPUs: its first three free neither enough for
+    # 70 GiB. One GPU at a time, the second GPU's two replicas are the smallest set that does.
+    reps = (ready("a1", "s1", "a", ["a-g0"], 20, last_used_at=NOW - 1000), ready("b1", "m1", "a", ["a-g1"], 35, last_used_at=NOW - 900),
+            ready("a2", "s2", "a", ["a-g0"], 20, last_used_at=NOW - 800), ready("b2", "m2", "a", ["a-g1"], 35, last_used_at=NOW - 700),
+            ready("a3", "s3", "a", ["a-g0"], 20, last_used_at=NOW - 300))
+    models = tuple(od(m, gib, priority=1, last_requested_at=NOW - 100)
+                   for m, gib in (("s1", 20), ("s2", 20), ("s3", 20), ("m1", 35), ("m2", 35)))
+    big = od("big", 70, priority=5, waiting=1, waiting_since=NOW - 5)
+    plan = schedule(Snapshot(NOW, (gpu_node("a", gpus=2),), models + (big,), reps))
+    assert sorted(e.replica for e in plan.evictions) == ["b1", "b2"]
+    assert [(l.model, l.accelerators, l.beneficiary_of) for l in plan.launches] == [("big", ("a-g1",), ("b1", "b2"))]
+
+
+def test_a_load_takes_room_only_from_idle_replicas_worth_no_more_until_it_has_waited():
+    busy_model = od("popular", 60, priority=50, last_requested_at=NOW - 100)
+    rep = ready("p", "popular", "a", ["a-g0"], 60, last_used_at=NOW - 300)  # idle past the eviction grace
+    rare = od("rare", 60, priority=1, waiting=1, waiting_since=NOW - 5)
+    plan = schedule(Snapshot(NOW, (gpu_node("a", gpus=1),), (busy_model, rare), (rep,)))
+    assert not plan.evictions and [u.model for u in plan.unschedulable] == ["rare"]  # a rare model waits
+    starved = dataclasses.replace(rare, waiting_since=NOW - 31)
+    plan = schedule(Snapshot(NOW, (gpu_node("a", gpus=1),), (busy_model, starved), (rep,)))
+    assert [e.replica for e in plan.evictions] == ["p"] and plan.launches[0].model == "rare"  # but never starves
+    worth_more = dataclasses.replace(rare, priority=80)
+    plan = schedule(Snapshot(NOW, (gpu_node("a", gpus=1),), (busy_model, worth_more), (rep,)))
+    assert [e.replica for e in plan.evictions] == ["p"]  # worth more: at once
+
+
+def test_an_on_demand_model_without_a_replica_loads_only_for_a_waiting_request():
+    recently = od("m", last_requested_at=NOW - 10)  # used a moment ago, then preempted: no replica now
+    assert schedule(Snapshot(NOW, (gpu_node("a"),), (recently,))).empty
+    waiting = dataclasses.replace(recently, waiting=1, waiting_since=NOW)
+    assert len(schedule(Snapshot(NOW, (gpu_node("a"),), (waiting,))).launches) == 1
 
 
 def test_young_replicas_and_other_owners_guarantees_are_protected():
