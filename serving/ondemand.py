@@ -29,6 +29,7 @@ from tenancy.audit import Actor
 log = logging.getLogger(__name__)
 ACTOR = Actor(system="on-demand")
 DEFAULT_IDLE_SECONDS = 15 * 60
+ASK_POLICY_EVERY_S = 5
 
 
 class NotLoadable(BerthError):
@@ -74,16 +75,26 @@ def _place(entry: ModelEntry) -> Deployment:
         except BerthError as error:  # does not fit here: try the next node
             refusals.append(f"{node.name}: {error.message}")
     # Fits nowhere as the fleet stands: the policy may make room (idle on-demand replicas first).
+    # Asked at most once per model every few seconds: a burst of requests for a model that cannot
+    # be placed gets the policy's last answer, not a pass each.
     from serving.deployments import placement
 
-    outcome = placement.reconcile(waiting={entry.name: 1})
-    placed = Deployment.objects.filter(name=entry.name, state__in=states.ACTIVE + (S.PLANNED,)).first()
-    if placed is not None:
-        return placed
-    why = outcome.get("unschedulable", {}).get(entry.name)
+    asked = _asked_key(entry.name)
+    why = cache.get(asked)
+    if why is None:
+        outcome = placement.reconcile(waiting={entry.name: 1})
+        placed = Deployment.objects.filter(name=entry.name, state__in=states.ACTIVE + (S.PLANNED,)).first()
+        if placed is not None:
+            return placed
+        why = outcome.get("unschedulable", {}).get(entry.name) or ""
+        cache.set(asked, why, ASK_POLICY_EVERY_S)
     raise NotLoadable(f"{entry.name} fits on no node now ({'; '.join(refusals) or 'no ready node'})"
                       + (f"; the placement policy: {why}" if why else "") + ".",
                       details={"refusals": refusals, "policy": why or ""})
+
+
+def _asked_key(name: str) -> str:
+    return f"berth:ondemand:policy-said:{name}"
 
 
 def _used_key(name: str) -> str:

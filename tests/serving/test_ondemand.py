@@ -68,7 +68,7 @@ def test_a_model_that_is_not_on_demand_is_refused_at_once(db, tiny_model, tmp_pa
         request_load("nothing-of-that-name")
 
 
-def test_an_on_demand_model_that_fits_nowhere_says_why(db, tiny_model, tmp_path, model_root):
+def test_an_on_demand_model_that_fits_nowhere_says_why(db, tiny_model, tmp_path, model_root, monkeypatch):
     from scheduler.services import NodeReport, register_node
 
     register_node(NodeReport(name="small", address="127.0.0.1", cpu_count=1, memory_total_bytes=2**30,
@@ -78,4 +78,7 @@ def test_an_on_demand_model_that_fits_nowhere_says_why(db, tiny_model, tmp_path,
         request_load("lazy")
     assert "small" in refused.value.message
     assert "the placement policy: fits nowhere" in refused.value.message  # it asked the policy too
+    monkeypatch.setattr(placement, "reconcile", lambda **_: pytest.fail("asked the policy again at once"))
+    with pytest.raises(ModelNotLoadable, match="the placement policy: fits nowhere"):
+        request_load("lazy")  # a burst of requests gets the policy's last answer
     assert not Deployment.objects.exists()
