@@ -82,12 +82,13 @@ def _place(entry: ModelEntry) -> Deployment:
     asked = _asked_key(entry.name)
     why = cache.get(asked)
     if why is None:
-        outcome = placement.reconcile(waiting={entry.name: 1})
+        outcome = placement.reconcile(waiting={entry.name: 1}, wait_s=ASK_POLICY_EVERY_S)
         placed = Deployment.objects.filter(name=entry.name, state__in=states.ACTIVE + (S.PLANNED,)).first()
         if placed is not None:
             return placed
         why = outcome.get("unschedulable", {}).get(entry.name) or ""
-        cache.set(asked, why, ASK_POLICY_EVERY_S)
+        if not outcome.get("skipped"):
+            cache.set(asked, why, ASK_POLICY_EVERY_S)
     raise NotLoadable(f"{entry.name} fits on no node now ({'; '.join(refusals) or 'no ready node'})"
                       + (f"; the placement policy: {why}" if why else "") + ".",
                       details={"refusals": refusals, "policy": why or ""})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from typing import Mapping
 
 from django.core.cache import cache
@@ -39,6 +40,7 @@ COUNTING = (S.PLANNED, S.QUEUED, S.STARTING, S.LOADING, S.READY)
 SCALE_KEY = "berth:placement:scale:"
 HOLDS_KEY = "berth:placement:holds"
 UNPLACEABLE_KEY = "berth:placement:unplaceable:"
+LOCK_KEY, LOCK_S = "berth:placement:pass", 120  # a pass that dies keeps the lock this long at most
 
 
 def _stamp(moment) -> float | None:
@@ -159,8 +161,26 @@ def _unpark_changed(snap: Snapshot) -> None:
             recovery_service.note_success(name)
 
 
-def reconcile(waiting: Mapping[str, int] | None = None) -> dict:
-    """One pass: decide, record the evidence, apply. Returns what was done (for logs and tests)."""
+def reconcile(waiting: Mapping[str, int] | None = None, *, wait_s: float = 0) -> dict:
+    """One pass: decide, record the evidence, apply. Returns what was done (for logs and tests).
+
+    One pass at a time (the periodic one and on-demand loads both run it; two at once would both
+    launch what is missing): a caller finding another pass under way waits up to ``wait_s``, then
+    returns ``{"skipped": True}`` having done nothing."""
+    token = uuid.uuid4().hex
+    deadline = time.monotonic() + wait_s
+    while not cache.add(LOCK_KEY, token, LOCK_S):
+        if time.monotonic() >= deadline:
+            return {"launched": [], "evicted": [], "unschedulable": {}, "skipped": True}
+        time.sleep(0.1)
+    try:
+        return _reconcile(waiting)
+    finally:
+        if cache.get(LOCK_KEY) == token:
+            cache.delete(LOCK_KEY)
+
+
+def _reconcile(waiting: Mapping[str, int] | None) -> dict:
     now = time.time()
     live = load.current(now)
     snap = snapshot(waiting, now=now, live=live, extra=scale(now, live))

@@ -259,3 +259,17 @@ def test_a_degraded_relaunch_halves_the_context_and_offloads_fewer_layers(tmp_pa
     layers = read_model(tmp_path / "d.gguf").layers
     degraded = deploy_request(entry, node, accelerator=gpu, level=1).config
     assert degraded["context"] == 1024 and degraded["gpu_layers"] == layers * 3 // 4
+
+
+def test_one_pass_at_a_time(setup):
+    import threading
+
+    cache.add(placement.LOCK_KEY, "another pass", 60)
+    assert placement.reconcile()["skipped"] and serving_count() == 0  # the periodic pass just goes
+    freed = threading.Timer(0.5, lambda: cache.delete(placement.LOCK_KEY))
+    freed.start()
+    try:
+        assert placement.reconcile(wait_s=20)["launched"] == ["placed"]  # an on-demand load waits its turn
+    finally:
+        freed.join()
+    assert cache.get(placement.LOCK_KEY) is None  # and lets go
