@@ -137,19 +137,12 @@ def _log_unplaceable(plan, now: float) -> None:
     ten minutes (the pass runs every 15 s: the same sentence each time would drown the log)."""
     if not plan.unschedulable:
         return
-    keys = {u.model: UNPLACEABLE_KEY + u.model for u in plan.unschedulable}
-    said = cache.get_many(list(keys.values()))
+    said = cache.get_many([UNPLACEABLE_KEY + u.model for u in plan.unschedulable])
     for u in plan.unschedulable:
-        _say_once(u.model, f"cannot place {u.model} ({u.code}, {u.missing} missing): {u.reason}", now,
-                  said.get(keys[u.model]) or {})
-
-
-def _say_once(model: str, sentence: str, now: float, before: dict | None = None) -> None:
-    key = UNPLACEABLE_KEY + model
-    before = before if before is not None else (cache.get(key) or {})
-    if recovery.should_log(before.get("reason"), before.get("at"), sentence, now):
-        log.warning("%s", sentence)
-        cache.set(key, {"reason": sentence, "at": now}, 3600)
+        before = said.get(UNPLACEABLE_KEY + u.model) or {}
+        if recovery.should_log(before.get("reason"), before.get("at"), u.reason, now):
+            log.warning("cannot place %s (%s, %d missing): %s", u.model, u.code, u.missing, u.reason)
+            cache.set(UNPLACEABLE_KEY + u.model, {"reason": u.reason, "at": now}, 3600)
 
 
 def _unpark_changed(snap: Snapshot) -> None:
