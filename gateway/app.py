@@ -166,8 +166,7 @@ class Gateway:
         self.ready = False
         self._starting: asyncio.Lock | None = None
         self._tasks: list[asyncio.Task] = []
-        self.waiting: dict[str, int] = {}
-        self.waiting_began: dict[str, dict[int, float]] = {}  # model → {call id: when it began waiting}
+        self.waiting: dict[str, dict[int, float]] = {}  # model → {call id: when it began waiting}
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -265,8 +264,8 @@ class Gateway:
             while True:
                 await asyncio.sleep(load.PUBLISH_EVERY_S)
                 busy = dict(self.balancer.outstanding)
-                waiting = {m: n for m, n in self.waiting.items() if n > 0}
-                since = {m: min(began.values()) for m, began in self.waiting_began.items() if began}
+                waiting = {m: len(began) for m, began in self.waiting.items() if began}
+                since = {m: min(began.values()) for m, began in self.waiting.items() if began}
                 if not busy and not waiting and not reported:
                     continue
                 try:
@@ -485,11 +484,11 @@ class Gateway:
     async def _admit_while_loading(self, call: Call, route: routing.ModelRoute) -> routing.ModelRoute:
         """Ask for the model to be loaded and wait, in a bounded queue, up to the admission timeout."""
         model = route.name
-        if self.waiting.get(model, 0) >= self.queue_size:
+        queued = self.waiting.setdefault(model, {})
+        if len(queued) >= self.queue_size:
             raise QueueFull(f"Too many requests are waiting for {model} to load; retry later.",
                             details={"model": model, "queue": self.queue_size})
-        self.waiting[model] = self.waiting.get(model, 0) + 1
-        self.waiting_began.setdefault(model, {})[id(call)] = time.time()
+        queued[id(call)] = time.time()
         metrics.WAITING.labels(model).inc()
         began = time.perf_counter()
         try:
@@ -512,8 +511,7 @@ class Gateway:
                     raise error
                 await asyncio.sleep(min(0.25, left))
         finally:
-            self.waiting[model] -= 1
-            self.waiting_began[model].pop(id(call), None)
+            queued.pop(id(call), None)
             metrics.WAITING.labels(model).dec()
             call.queue_ms = round((time.perf_counter() - began) * 1000, 3)
             metrics.QUEUE.labels(model).observe(call.queue_ms / 1000)
