@@ -6,8 +6,9 @@ gateway calls ``serving.routing.request_load`` for a model with no ready replica
 us when models were last used (``note_used``, batched with its usage records); the placement
 policy stops those idle past their timeout (``last_used`` is what its snapshot reads). Idle time
 that is not known (after a restart) is not idle: the clock starts when we first see the model
-running. A load that fits on no node as it stands asks the placement policy, which may make room
-by stopping idle on-demand replicas of lower (or, for a load, equal) classes.
+running. A new replica is placed by the placement policy, as every catalog model's is; when
+nothing fits as the fleet stands it may make room by stopping idle on-demand replicas of lower
+(or, for a load, equal) classes.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from django.core.cache import cache
 from django.db import transaction
 
 from berth.errors import BerthError
-from scheduler.models import Node
-from serving.catalog.entries import deploy_request
 from serving.catalog.models import ModelEntry
 from serving.deployments import service, states
 from serving.models import Deployment, DeploymentState as S
@@ -68,17 +67,15 @@ def load(name: str) -> Deployment:
 
 
 def _place(entry: ModelEntry) -> Deployment:
-    refusals = []
-    for node in Node.objects.filter(state=Node.State.READY).order_by("name"):
-        try:
-            return service.deploy(ACTOR, deploy_request(entry, node))
-        except BerthError as error:  # does not fit here: try the next node
-            refusals.append(f"{node.name}: {error.message}")
-    # Fits nowhere as the fleet stands: the policy may make room (idle on-demand replicas first).
-    # Asked at most once per model every few seconds: a burst of requests for a model that cannot
-    # be placed gets the policy's last answer, not a pass each.
+    """Placed by the placement policy, like every catalog model: its order (weights held, best fit)
+    and, when nothing fits as the fleet stands, its preemption (idle on-demand replicas first).
+    Asked at most once per model every few seconds: a burst of requests for a model that cannot be
+    placed gets the policy's last answer, not a pass each."""
+    from serving.catalog import room
     from serving.deployments import placement
 
+    if room.desired_model(entry) is None:
+        raise NotLoadable(f"{entry.name} has no verified, servable file with an estimate: nothing can place it.")
     asked = _asked_key(entry.name)
     why = cache.get(asked)
     if why is None:
@@ -89,9 +86,8 @@ def _place(entry: ModelEntry) -> Deployment:
         why = outcome.get("unschedulable", {}).get(entry.name) or ""
         if not outcome.get("skipped"):
             cache.set(asked, why, ASK_POLICY_EVERY_S)
-    raise NotLoadable(f"{entry.name} fits on no node now ({'; '.join(refusals) or 'no ready node'})"
-                      + (f"; the placement policy: {why}" if why else "") + ".",
-                      details={"refusals": refusals, "policy": why or ""})
+    raise NotLoadable(f"{entry.name} fits on no node now; the placement policy: {why or 'busy, ask again'}.",
+                      details={"policy": why})
 
 
 def _asked_key(name: str) -> str:
