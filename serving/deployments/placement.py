@@ -57,12 +57,13 @@ def _slots(entry: ModelEntry) -> int | None:
 
 
 def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = None,
-             live: load.Load | None = None, extra: Mapping[str, int] | None = None) -> Snapshot:
+             live: load.Load | None = None, step_scaling: bool = False) -> Snapshot:
     """The policy's inputs: the catalog's models, the replicas running them, what the gateway sees
     of load (requests in flight per replica: active replicas are never evicted; requests waiting
     for a model), when each model was last used (idle on-demand replicas go), the recovery
     ladder's memory, and the holds carried from the last plan. ``waiting`` adds requests a caller
-    knows of (an on-demand load asking now); ``extra`` the load-added replicas per model."""
+    knows of (an on-demand load asking now). The load-added replicas per model are read, and with
+    ``step_scaling`` (the reconcile pass) moved one load-scaling step first."""
     now = time.time() if now is None else now
     live = live if live is not None else load.current(now)
     wanted = dict(live.waiting)
@@ -72,6 +73,8 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
     rows = list(Replica.objects.select_related("deployment", "node")
                 .filter(deployment__name__in=entries, state__in=COUNTING))
     used = ondemand.last_used(entries, {r.deployment.name for r in rows}, now)
+    extra = scale(now, live, entries.values(), rows, step=step_scaling)
+    public_ids = dict(Accelerator.objects.values_list("uuid", "public_id"))
     models = []
     for entry in entries.values():
         desired = room.desired_model(entry)
@@ -82,13 +85,12 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
                                      idle_timeout_s=entry.idle_timeout_seconds or ondemand.DEFAULT_IDLE_SECONDS),
             fallbacks=tuple(entry.fallbacks or ()), last_requested_at=used.get(entry.name),
             waiting=wanted.get(entry.name, 0), waiting_since=live.waiting_since.get(entry.name),
-            extra=(extra or {}).get(entry.name, 0)))
+            extra=extra.get(entry.name, 0)))
     replicas, catalog_holders = [], set()
     for replica in rows:
         deployment = replica.deployment
         catalog_holders.add(service.holder_of(replica))
-        accelerators = tuple(str(a) for a in Accelerator.objects.filter(uuid__in=deployment.gpu_uuids)
-                             .values_list("public_id", flat=True))
+        accelerators = tuple(str(public_ids[u]) for u in deployment.gpu_uuids if u in public_ids)
         in_flight = live.in_flight.get(str(replica.public_id), 0)
         replicas.append(ReplicaInfo(
             id=str(replica.public_id), model=deployment.name, profile=deployment.config.get("profile", ""),
@@ -105,30 +107,30 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
                     holds=tuple(Hold(**h) for h in cache.get(HOLDS_KEY) or ()))
 
 
-def scale(now: float, live: load.Load) -> dict[str, int]:
-    """One load-scaling step per model whose maximum exceeds its base; returns the load-added
-    replicas per model. Each change is logged with the load behind it."""
+def scale(now: float, live: load.Load, entries, rows, *, step: bool) -> dict[str, int]:
+    """The load-added replicas per model whose maximum exceeds its base, after one load-scaling
+    step each when ``step`` (each change logged with the load behind it); as they stand otherwise."""
+    scalable = [e for e in entries if e.scaling_max > max(e.scaling_min, 1)]
+    if not scalable:
+        return {}
+    states = cache.get_many([SCALE_KEY + e.name for e in scalable])
     extra = {}
-    entries = [e for e in ModelEntry.objects.all() if e.scaling_max > max(e.scaling_min, 1)]
-    if not entries:
-        return extra
-    replicas = list(Replica.objects.filter(deployment__name__in=[e.name for e in entries], state__in=COUNTING)
-                    .values_list("deployment__name", "public_id", "state"))
-    states = {key: scaling.ScaleState(**value) for key, value in
-              cache.get_many([SCALE_KEY + e.name for e in entries]).items()}
-    for entry in entries:
-        mine = [(str(pid), state) for name, pid, state in replicas if name == entry.name]
-        ready = [pid for pid, state in mine if state == S.READY]
-        current = states.get(SCALE_KEY + entry.name, scaling.ScaleState())
-        decision = scaling.step(current, scaling.Load(replicas=len(ready), running=live.running(ready),
-                                                      waiting=live.waiting.get(entry.name, 0),
-                                                      starting=len(mine) - len(ready)),
-                                base=max(entry.scaling_min, 1 if mine else 0), maximum=entry.scaling_max,
-                                now=now, max_concurrency=_slots(entry))
-        if decision.change:
-            log.info("load scaling %s: %s", entry.name, decision.reason)
-        cache.set(SCALE_KEY + entry.name, dataclasses.asdict(decision.state), None)
-        extra[entry.name] = decision.state.extra
+    for entry in scalable:
+        current = scaling.ScaleState(**states[SCALE_KEY + entry.name]) if SCALE_KEY + entry.name in states \
+            else scaling.ScaleState()
+        if step:
+            mine = [r for r in rows if r.deployment.name == entry.name]
+            ready = [str(r.public_id) for r in mine if r.state == S.READY]
+            decision = scaling.step(current, scaling.Load(replicas=len(ready), running=live.running(ready),
+                                                          waiting=live.waiting.get(entry.name, 0),
+                                                          starting=len(mine) - len(ready)),
+                                    base=max(entry.scaling_min, 1 if mine else 0), maximum=entry.scaling_max,
+                                    now=now, max_concurrency=_slots(entry))
+            if decision.change:
+                log.info("load scaling %s: %s", entry.name, decision.reason)
+            cache.set(SCALE_KEY + entry.name, dataclasses.asdict(decision.state), None)
+            current = decision.state
+        extra[entry.name] = current.extra
     return extra
 
 
@@ -176,7 +178,7 @@ def reconcile(waiting: Mapping[str, int] | None = None, *, wait_s: float = 0) ->
 def _reconcile(waiting: Mapping[str, int] | None) -> dict:
     now = time.time()
     live = load.current(now)
-    snap = snapshot(waiting, now=now, live=live, extra=scale(now, live))
+    snap = snapshot(waiting, now=now, live=live, step_scaling=True)
     _unpark_changed(snap)
     plan = policy.schedule(snap)
     cache.set(HOLDS_KEY, [dataclasses.asdict(h) for h in plan.holds], None)
