@@ -17,7 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from scheduler.errors import ModelNotParked
-from scheduler.models import PlacementDecision, RecoveryState
+from scheduler.models import RecoveryState
 from scheduler.policy import recovery
 from scheduler.policy.inputs import FailureState, Settings
 from tenancy import audit
@@ -33,9 +33,11 @@ def _state(row: RecoveryState) -> FailureState:
                         last_error=row.last_error)
 
 
-def note_failure(model: str, kind: str, error: str = "", fingerprint: str = "", *, at=None,
-                 settings: Settings = Settings()) -> RecoveryState:
+def note_failure(model: str, kind: str, error: str = "", fingerprint: str = "", *, fallback: bool = False,
+                 at=None, settings: Settings = Settings()) -> RecoveryState:
     """One more failed launch of ``model`` (crash / oom / hang), one step down the ladder.
+    ``fallback``: whether the model has a fallback in the catalog; without one, the step that would
+    fall back parks it.
 
     Failures of an earlier definition (another fingerprint) are forgotten first: a changed model
     starts a fresh ladder."""
@@ -46,7 +48,8 @@ def note_failure(model: str, kind: str, error: str = "", fingerprint: str = "", 
         row, _ = RecoveryState.objects.select_for_update().get_or_create(model=model)
         changed = bool(fingerprint and row.fingerprint and fingerprint != row.fingerprint)
         previous = None if changed or (row.consecutive <= 0 and not row.parked) else _state(row)
-        state = recovery.record_failure(previous, kind, now.timestamp(), error, settings, fingerprint)
+        state = recovery.record_failure(previous, kind, now.timestamp(), error, settings, fingerprint,
+                                       fallback=fallback)
         was_parked = row.parked and not changed
         became_parked = state.parked and not was_parked
         row.kind, row.consecutive, row.level = state.kind, state.consecutive, state.level
@@ -78,49 +81,27 @@ def failure_states() -> dict[str, FailureState]:
     return {row.model: _state(row) for row in rows}
 
 
-def _quarantined_by_policy(rows) -> dict[str, dict]:
-    """Among models with failures that the ladder did not park itself, those whose latest applied
-    plan parked them anyway (out of memory or a hang with no fallback configured: the policy
-    quarantines them), with that decision's detail and time."""
-    names = [r.model for r in rows if not r.parked and r.consecutive > 0]
-    if not names:
-        return {}
-    latest = (PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN, model__in=names)
-              .order_by("model", "-created_at", "-id").distinct("model").values("model", "verdict", "detail",
-                                                                                  "created_at"))
-    return {d["model"]: d for d in latest if d["verdict"] == PlacementDecision.Verdict.PARKED}
-
-
-def describe(row: RecoveryState, decision: dict | None = None) -> dict:
-    """A row as the API and the console show it; ``decision`` when the policy parked it."""
-    if row.parked:
-        why = f"parked after {row.consecutive} failure(s) in a row: {row.last_error or row.kind}"
-        since = row.parked_at
-    elif decision is not None:
-        why, since = decision["detail"], decision["created_at"]
-    else:
-        why, since = "", None
-    return {"model": row.model, "parked": row.parked or decision is not None, "kind": row.kind,
+def describe(row: RecoveryState) -> dict:
+    """A row as the API and the console show it."""
+    why = f"parked after {row.consecutive} failure(s) in a row: {row.last_error or row.kind}" if row.parked else ""
+    since = row.parked_at if row.parked else None
+    return {"model": row.model, "parked": row.parked, "kind": row.kind,
             "consecutive": row.consecutive, "level": row.level, "last_error": row.last_error,
             "last_failure_at": row.last_failure_at, "since": since, "detail": why,
             "retried_by": row.retried_by, "retried_at": row.retried_at, "retriable": True}
 
 
 def parked(limit: int = 200) -> list[dict]:
-    """Parked models, most recently parked first: those the ladder parked, and those with failures
-    that the policy quarantined (see ``_quarantined_by_policy``)."""
-    rows = list(RecoveryState.objects.filter(Q(parked=True) | Q(consecutive__gt=0)).order_by("model"))
-    by_policy = _quarantined_by_policy(rows)
-    found = [describe(r, by_policy.get(r.model)) for r in rows if r.parked or r.model in by_policy]
-    found.sort(key=lambda d: (d["since"] is None, -(d["since"].timestamp() if d["since"] else 0), d["model"]))
-    return found[:limit]
+    """Parked models, most recently parked first."""
+    rows = RecoveryState.objects.filter(parked=True).order_by("-parked_at", "model")[:limit]
+    return [describe(row) for row in rows]
 
 
 def retry(actor: audit.Actor, model: str) -> RecoveryState:
     """An operator's retry: the model's failure memory is reset so the next pass places it again."""
     with transaction.atomic():
         row = RecoveryState.objects.select_for_update().filter(model=model).first()
-        if row is None or not (row.parked or row.model in _quarantined_by_policy([row])):
+        if row is None or not row.parked:
             raise ModelNotParked(f"Model {model} is not parked: there is nothing to retry.", details={"model": model})
         before = {"kind": row.kind, "consecutive": row.consecutive, "level": row.level,
                   "parked_at": row.parked_at, "last_error": row.last_error[:300]}

@@ -204,10 +204,11 @@ def _note_launch_failure(replica: Replica, kind: str, message: str) -> None:
     from serving.catalog.models import ModelEntry
 
     name = replica.deployment.name
-    fingerprint = ModelEntry.objects.filter(name=name).values_list("fingerprint", flat=True).first()
-    if fingerprint is None:
+    entry = ModelEntry.objects.filter(name=name).values("fingerprint", "fallbacks").first()
+    if entry is None:
         return
-    recovery_service.note_failure(name, kind, message, fingerprint)
+    fallback = ModelEntry.objects.filter(name__in=[f for f in entry["fallbacks"] or () if f != name]).exists()
+    recovery_service.note_failure(name, kind, message, entry["fingerprint"], fallback=fallback)
 
 
 def _calibrate(replica: Replica, peak: int | None) -> None:

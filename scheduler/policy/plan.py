@@ -86,7 +86,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         missing = desired[model.id] - len(by_model.get(model.id, []))
         if missing <= 0:
             continue
-        step = recovery.next_step(model, snapshot.failures.get(model.id), settings)
+        step = recovery.next_step(model, snapshot.failures.get(model.id), settings, known=models)
         if step.parked:
             unschedulable.append(Unschedulable(model.id, step.reason, "parked", missing))
             decisions.append(Decision(model.id, "parked", ("parked",), detail=step.reason))
@@ -104,9 +104,8 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             continue
         source, serves_for = model, ""
         if step.fallback:
-            substitute = next((models[f] for f in model.fallbacks if f in models), None)
-            if substitute is not None:
-                source, serves_for = substitute, substitute.id
+            substitute = models[recovery.usable_fallbacks(model, models)[0]]  # the step exists only when one does
+            source, serves_for = substitute, substitute.id
         profiles = tuple(ordered_profiles(source))
         have = len(by_model.get(model.id, []))
         for slot in range(missing):

@@ -10,6 +10,7 @@ model is parked until its definition changes or an operator retries it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 
 from scheduler.policy.inputs import DesiredModel, FailureState, Settings
 
@@ -27,23 +28,34 @@ class Step:
     reason: str = ""
 
 
-def ladder(kind: str, consecutive: int, settings: Settings = Settings()) -> str:
+def ladder(kind: str, consecutive: int, settings: Settings = Settings(), *, fallback: bool = True) -> str:
+    """The step after ``consecutive`` failures of ``kind``; with no ``fallback`` to fall back to, the
+    fallback step is a quarantine (the degraded launch has already failed: never retry it unchanged)."""
     if consecutive <= 0 or not kind:
         return ""
     if kind == "oom":
-        return (DEGRADE, FALLBACK)[consecutive - 1] if consecutive <= 2 else QUARANTINE
-    if kind == "hang":
-        return (RETRY, DEGRADE, FALLBACK)[consecutive - 1] if consecutive <= 3 else QUARANTINE
-    return RETRY if consecutive <= settings.crash_retries else QUARANTINE
+        action = (DEGRADE, FALLBACK)[consecutive - 1] if consecutive <= 2 else QUARANTINE
+    elif kind == "hang":
+        action = (RETRY, DEGRADE, FALLBACK)[consecutive - 1] if consecutive <= 3 else QUARANTINE
+    else:
+        action = RETRY if consecutive <= settings.crash_retries else QUARANTINE
+    return QUARANTINE if action == FALLBACK and not fallback else action
+
+
+def usable_fallbacks(model: DesiredModel, known: Container[str] | None = None) -> tuple[str, ...]:
+    """The model's configured fallbacks that exist (``known``: the catalog's names; None trusts them all)."""
+    return tuple(f for f in model.fallbacks if f != model.id and (known is None or f in known))
 
 
 def backoff(consecutive: int, settings: Settings = Settings()) -> float:
     return min(settings.max_backoff_s, settings.base_backoff_s * 2 ** max(0, consecutive - 1))
 
 
-def next_step(model: DesiredModel, failure: FailureState | None, settings: Settings = Settings()) -> Step:
+def next_step(model: DesiredModel, failure: FailureState | None, settings: Settings = Settings(),
+              known: Container[str] | None = None) -> Step:
     """What to do about ``model`` given its failure memory. A parked model whose definition has
-    changed (a new fingerprint) is no longer parked: the caller resets its failure state."""
+    changed (a new fingerprint) is no longer parked: the caller resets its failure state. ``known``
+    (the catalog's names) decides which fallbacks exist."""
     if failure is None or (failure.consecutive <= 0 and not failure.parked):
         return Step("")
     if failure.parked and (not model.fingerprint or failure.parked_fingerprint == model.fingerprint):
@@ -54,9 +66,7 @@ def next_step(model: DesiredModel, failure: FailureState | None, settings: Setti
     if failure.consecutive >= settings.park_after:
         return Step(QUARANTINE, parked=True, reason=f"{failure.consecutive} failures in a row: "
                                                      f"{failure.last_error or failure.kind}")
-    action = ladder(failure.kind, failure.consecutive, settings)
-    if action == FALLBACK and not model.fallbacks:
-        action = QUARANTINE
+    action = ladder(failure.kind, failure.consecutive, settings, fallback=bool(usable_fallbacks(model, known)))
     if action == QUARANTINE:
         return Step(QUARANTINE, parked=True, reason=f"quarantined after {failure.kind}: {failure.last_error}".rstrip(": "))
     not_before = None
@@ -67,11 +77,13 @@ def next_step(model: DesiredModel, failure: FailureState | None, settings: Setti
 
 
 def record_failure(state: FailureState | None, kind: str, at: float, error: str = "",
-                   settings: Settings = Settings(), fingerprint: str = "") -> FailureState:
-    """The failure memory after one more failed launch (Serving stores it)."""
+                   settings: Settings = Settings(), fingerprint: str = "", *, fallback: bool = True) -> FailureState:
+    """The failure memory after one more failed launch (Serving stores it). ``fallback``: whether
+    the model has a fallback that exists; without one, the step that would use it parks the model
+    here, so the stored memory says parked exactly when the policy treats it so."""
     state = state or FailureState()
     consecutive = state.consecutive + 1
-    action = ladder(kind, consecutive, settings)
+    action = ladder(kind, consecutive, settings, fallback=fallback)
     level = max(state.level, SEVERITY.get(action, 0) if action in (DEGRADE, FALLBACK) else state.level)
     parked = consecutive >= settings.park_after or action == QUARANTINE
     return FailureState(kind=kind, consecutive=consecutive, last_failure_at=at, level=min(level, 2), parked=parked,

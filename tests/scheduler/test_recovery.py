@@ -4,6 +4,7 @@ or the console, and everything that lists parked models says why."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from scheduler.errors import ModelNotParked
 from scheduler.models import RecoveryState
 from scheduler.placement_service import parked_and_unplaceable, record_plan
 from scheduler.policy import recovery
-from scheduler.policy.inputs import GIB, DesiredModel, Profile, Snapshot
+from scheduler.policy.inputs import GIB, DesiredModel, NodeInfo, Profile, Snapshot
 from scheduler.policy.plan import schedule
 from tenancy.audit import Actor
 from tenancy.models import AuditEvent
@@ -34,9 +35,10 @@ def step(model: DesiredModel):
     return recovery.next_step(model, recovery_service.failure_states().get(model.id))
 
 
-def fail(kind, times=1, model="llama-8b", fingerprint="fp-1", error="engine exited with status 1 while loading"):
+def fail(kind, times=1, model="llama-8b", fingerprint="fp-1", error="engine exited with status 1 while loading",
+         fallback=False):
     for _ in range(times):
-        row = recovery_service.note_failure(model, kind, error, fingerprint)
+        row = recovery_service.note_failure(model, kind, error, fingerprint, fallback=fallback)
     return row
 
 
@@ -68,14 +70,15 @@ def test_a_crash_is_retried_with_backoff_four_times_then_parked_at_the_fifth(cap
 
 
 def test_out_of_memory_degrades_then_falls_back_then_quarantines():
-    fail("oom", error="engine out of memory (Docker OOMKilled) while loading")
+    fail("oom", error="engine out of memory (Docker OOMKilled) while loading", fallback=True)
     first = step(llm(fallbacks=("llama-1b",)))
     assert (first.action, first.level, first.fallback) == (recovery.DEGRADE, 1, False)
-    fail("oom")
+    row = fail("oom", fallback=True)
+    assert not row.parked
     second = step(llm(fallbacks=("llama-1b",)))
     assert (second.action, second.fallback) == (recovery.FALLBACK, True)
     assert step(llm()).action == recovery.QUARANTINE  # no fallback configured: quarantined at once
-    row = fail("oom")
+    row = fail("oom", fallback=True)
     assert row.parked and row.consecutive == 3 and row.level == 2 and row.kind == "oom"
 
 
@@ -108,15 +111,33 @@ def test_the_policy_parks_what_the_table_says_and_the_plan_records_why():
     assert not any(d.model == "healthy" and d.verdict == "parked" for d in plan.decisions)
 
 
-def test_a_failed_model_the_policy_quarantines_is_listed_as_parked():
-    fail("oom", times=2, error="out of memory while loading")  # fallback is next, but none is configured
-    assert not RecoveryState.objects.get().parked
+def test_with_no_fallback_the_step_that_would_fall_back_parks_the_row_and_the_plan_agrees():
+    fail("oom", error="out of memory while loading")
+    row = fail("oom", error="out of memory while loading")  # a fallback is next, but none is configured
+    assert row.parked and row.consecutive == 2 and row.parked_at is not None
     snap = Snapshot(now=time.time(), models=(llm(),), failures=recovery_service.failure_states())
-    record_plan(snap, schedule(snap))
+    plan = schedule(snap)
+    record_plan(snap, plan)
+    assert [(d.model, d.verdict) for d in plan.decisions] == [("llama-8b", "parked")]
     [listed] = recovery_service.parked()
-    assert listed["model"] == "llama-8b" and listed["parked"] and "quarantined after oom" in listed["detail"]
+    assert listed["model"] == "llama-8b" and listed["parked"] and "out of memory while loading" in listed["detail"]
+    assert [p["model"] for p in parked_and_unplaceable()["parked"]] == ["llama-8b"]
     recovery_service.retry(OPERATOR, "llama-8b")
     assert recovery_service.parked() == [] and parked_and_unplaceable()["parked"] == []
+
+
+def test_a_fallback_that_is_not_in_the_catalog_is_no_fallback():
+    fail("oom", times=2, fallback=True)  # the agent found the fallback then; it has since been removed
+    snap = Snapshot(now=time.time(), models=(llm(fallbacks=("gone",)),), failures=recovery_service.failure_states())
+    plan = schedule(snap)
+    assert not plan.launches
+    assert [(d.model, d.verdict) for d in plan.decisions] == [("llama-8b", "parked")]
+    small = DesiredModel("llama-1b", (Profile("default", "llamacpp", 0, 1 * GIB, cpu_cores=1),), fingerprint="fp-s")
+    node = NodeInfo("cpu-1", engines=frozenset({"llamacpp"}), cpu_count=8, memory_bytes=32 * GIB)
+    later = time.time() + 3600  # past the backoff
+    snap = dataclasses.replace(snap, now=later, nodes=(node,), models=(llm(fallbacks=("gone", "llama-1b")), small))
+    launches = {(launch.model, launch.serves_for) for launch in schedule(snap).launches}
+    assert ("llama-8b", "llama-1b") in launches
 
 
 def test_retry_resets_the_row_keeps_who_and_writes_an_audit_event():
