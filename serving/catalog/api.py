@@ -121,7 +121,8 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
     @action(detail=True, methods=["get"])
     def servability(self, request, public_id=None):
         entry = self.get_object()
-        return Response(servability.check(entries.served_path(entry)).as_dict())
+        return Response(servability.check(entries.served_path(entry),
+                                          profile=next(iter(entry.profiles or []), {})).as_dict())
 
     @extend_schema(request=None, responses={200: dict})
     @action(detail=True, methods=["get"])

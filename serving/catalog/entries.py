@@ -15,14 +15,14 @@ from django.conf import settings
 from django.db import transaction
 
 from berth.errors import InvalidInput
-from serving.catalog import validation
+from serving.catalog import profiles, validation
 from serving.catalog.errors import FileInUse, ImportFailed, NotServable
 from serving.catalog.models import FetchJob, ModelEntry, ModelFile
 from tenancy import access, audit
 from tenancy.audit import Actor
 
-DEFAULT_CONTEXT = 4096
-MIN_DEGRADED_CONTEXT = 256  # a degraded relaunch halves the context, never below this
+DEFAULT_CONTEXT = profiles.DEFAULT_CONTEXT
+VLLM_DEFAULT_PARALLEL = 16  # a new vLLM profile's max_num_seqs: the estimate holds KV for this many full sequences
 ENTRY_FIELDS = ("name", "aliases", "description", "task", "source_kind", "source_repo", "source_revision",
                 "source_path", "source_package", "format", "quantisation", "architecture", "profiles", "scaling_min",
                 "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks")
@@ -67,7 +67,8 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
 def default_profiles(fmt: str, file: str, context: int = DEFAULT_CONTEXT) -> list[dict[str, Any]]:
     if fmt == "gguf":
         return [{"name": "cpu", "engine": "llamacpp", "file": file, "context": context, "parallel": 1, "priority": 50}]
-    return [{"name": "gpu", "engine": "vllm", "file": file, "context": context, "priority": 50}]
+    return [{"name": "gpu", "engine": "vllm", "file": file, "context": context, "parallel": VLLM_DEFAULT_PARALLEL,
+             "priority": 50}]
 
 
 def _architecture(path: Path) -> str:
@@ -309,26 +310,23 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
     """How one replica of a catalog model is deployed on ``node``: its profile's file and settings,
     the entry's task and owner. On-demand loads and the placement loop both deploy through this.
 
-    ``level`` 1 is the recovery ladder's degraded relaunch after running out of memory or hanging:
-    half the context (the KV cache shrinks with it) and, for llama.cpp on a GPU, three quarters of
-    the layers offloaded. ``serves_as`` deploys this entry under another
+    ``level`` 1 is the recovery ladder's degraded relaunch after running out of memory or hanging
+    (``profiles.degraded``). ``serves_as`` deploys this entry under another
     model's name: the ladder's fallback to a smaller model, answering for the one that failed.
     ``waits_for`` names replicas stopped to make room: the new one starts once they have; ``shards``
     are a tensor-parallel replica's further accelerators (after ``accelerator``, on the same node)."""
     from serving.deployments.service import DeployRequest
 
     chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None) or {}
-    config = {key: chosen[key] for key in ("context", "parallel") if chosen.get(key)}
+    kind, path = profiles.engine(chosen), served_path(entry, chosen.get("name"))
+    config = profiles.engine_config(chosen)
     if level >= 1:
-        context = config.get("context") or DEFAULT_CONTEXT
-        config["context"] = max(MIN_DEGRADED_CONTEXT, context // 2)
-        if accelerator is not None and (chosen.get("engine") or "llamacpp") == "llamacpp":
-            from scheduler.estimation.reading import read_model
+        from scheduler.estimation.reading import read_model
 
-            # Fewer layers on the GPU too: a quarter of them run on the CPU.
-            config["gpu_layers"] = read_model(served_path(entry, chosen.get("name"))).layers * 3 // 4
+        config = profiles.degraded(kind, config, read_model(path), on_gpu=accelerator is not None,
+                                   shards=1 + len(shards))
     return DeployRequest(
-        name=serves_as or entry.name, model_path=str(served_path(entry, chosen.get("name"))), node=node,
-        engine=chosen.get("engine") or "llamacpp", task=entry.task, config=config, accelerator=accelerator,
+        name=serves_as or entry.name, model_path=str(path), node=node,
+        engine=kind, task=entry.task, config=config, accelerator=accelerator,
         owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica,
         waits_for=tuple(waits_for), shards=tuple(shards))

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from berth.errors import BerthError
-from serving.catalog import entries
+from serving.catalog import entries, profiles
 from serving.catalog.errors import ScalingRefused
 from serving.catalog.models import ModelEntry
 
@@ -101,7 +101,7 @@ def _profile_bytes(entry: ModelEntry, profile: dict) -> int | None:
         return None
     from serving.catalog import servability
 
-    verdict = servability.check(path, context=profile.get("context") or entries.DEFAULT_CONTEXT)
+    verdict = servability.check(path, profile=profile)
     if not verdict.servable or not verdict.estimate:
         return None
     return int(verdict.estimate["total_bytes"])
@@ -112,19 +112,19 @@ def desired_model(entry: ModelEntry):
     what comes on top of what already runs: running replicas are in the snapshot as reservations)."""
     from scheduler.policy.inputs import DesiredModel, Profile, Scaling
 
-    profiles = []
+    ways = []
     for index, p in enumerate(entry.profiles or []):
         size = _profile_bytes(entry, p)
         if size is None:
             continue
-        engine = p.get("engine") or "llamacpp"
+        engine = profiles.engine(p)
         gpus = int(p.get("gpus", 1 if engine == "vllm" else 0))
-        profiles.append(Profile(name=p.get("name") or f"profile-{index}", engine=engine, gpus=gpus,
+        ways.append(Profile(name=p.get("name") or f"profile-{index}", engine=engine, gpus=gpus,
                                 memory_bytes=size, cpu_cores=int(p.get("cores") or 0),
                                 priority=int(p.get("priority") or 0)))
-    if not profiles:
+    if not ways:
         return None
-    return DesiredModel(entry.name, tuple(profiles), Scaling(min=0, max=entry.scaling_max),
+    return DesiredModel(entry.name, tuple(ways), Scaling(min=0, max=entry.scaling_max),
                         capacity_class=entry.service_class, owner=entry.owner.path if entry.owner else "",
                         fingerprint=entry.fingerprint)
 
@@ -160,14 +160,14 @@ def fit_per_node(entry: ModelEntry, per_replica: int | None = None) -> Room:
         path = Path(entries.served_path(entry, profile.get("name")))
     except BerthError as error:
         return Room(more=None, note=error.message)
-    engine = profile.get("engine") or "llamacpp"
+    engine = profiles.engine(profile)
     nodes, reasons = {}, []
     for node in Node.objects.prefetch_related("engines").order_by("name"):
         if node.state != "ready":
             reasons.append(f"{node.name} is {node.state}")
             continue
         try:
-            result = memory.estimate_and_fit(path, engine, {"ctx_size": profile.get("context") or 4096}, node=node,
+            result = memory.estimate_and_fit(path, engine, profiles.estimate_config(profile), node=node,
                                              check_root=False)
         except BerthError as error:
             reasons.append(f"{node.name}: {error.message}")

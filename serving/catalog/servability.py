@@ -18,6 +18,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+from serving.catalog import profiles
+
 SOURCE_VERSION = "llama.cpp 0c1e570 (llama-cpp-python 0.3.36)"
 KNOWN_LLAMACPP = frozenset("""
 afmoe apertus arcee arctic arwkv7 baichuan bailingmoe bailingmoe2 bailingmoe3 bert bitnet bloom chameleon chatglm
@@ -74,8 +76,9 @@ class Servability:
         return dataclasses.asdict(self)
 
 
-def check(path: str | Path, *, context: int = 4096, with_estimate: bool = True) -> Servability:
-    """Whether the installed engine can load the model at ``path`` (a GGUF file or a safetensors folder)."""
+def check(path: str | Path, *, profile: dict | None = None, with_estimate: bool = True) -> Servability:
+    """Whether the installed engine can load the model at ``path`` (a GGUF file or a safetensors
+    folder), with its memory estimate at the catalog ``profile``'s settings (context, parallel)."""
     from scheduler.errors import ModelNotFound, UnreadableModel
     from scheduler.estimation.reading import read_model
 
@@ -87,19 +90,32 @@ def check(path: str | Path, *, context: int = 4096, with_estimate: bool = True) 
         if not known:
             return Servability(False, "vllm", ", ".join(names) or "?",
                                f"vLLM does not list {', '.join(names) or 'an architecture'} among the models it serves.")
-        return Servability(True, "vllm", known[0], "")
-    try:
-        shape = read_model(path)
-    except (ModelNotFound, UnreadableModel) as error:
-        return Servability(False, "llamacpp", "", error.message)
-    if shape.architecture not in llamacpp_architectures():
-        return Servability(False, "llamacpp", shape.architecture,
-                           f"The installed llama.cpp ({SOURCE_VERSION}) does not know the architecture "
-                           f"{shape.architecture!r}.")
-    estimate = None
-    if with_estimate:
-        from scheduler import memory
+        verdict = Servability(True, "vllm", known[0], "")
+    else:
+        try:
+            shape = read_model(path)
+        except (ModelNotFound, UnreadableModel) as error:
+            return Servability(False, "llamacpp", "", error.message)
+        if shape.architecture not in llamacpp_architectures():
+            return Servability(False, "llamacpp", shape.architecture,
+                               f"The installed llama.cpp ({SOURCE_VERSION}) does not know the architecture "
+                               f"{shape.architecture!r}.")
+        verdict = Servability(True, "llamacpp", shape.architecture, "")
+    if not with_estimate:
+        return verdict
+    return _with_estimate(verdict, path, profile or {})
 
-        result = memory.estimate_and_fit(path, "llamacpp", {"ctx_size": context}, check_root=False)
-        estimate = {"total_bytes": result.estimate.total_bytes, "breakdown": result.estimate.as_dict()}
-    return Servability(True, "llamacpp", shape.architecture, "", estimate)
+
+def _with_estimate(verdict: Servability, path: Path, profile: dict) -> Servability:
+    """The verdict with the estimator's figure for one replica (per GPU for vLLM); a model whose
+    weights cannot be read is not servable, and the reason says why."""
+    from berth.errors import BerthError
+    from scheduler import memory
+
+    try:
+        result = memory.estimate_and_fit(path, verdict.engine, profiles.estimate_config(profile, verdict.engine),
+                                         check_root=False)
+    except BerthError as error:
+        return dataclasses.replace(verdict, servable=False, reason=error.message)
+    return dataclasses.replace(verdict, estimate={"total_bytes": result.estimate.total_bytes,
+                                                  "breakdown": result.estimate.as_dict()})

@@ -67,8 +67,9 @@ def run(job: FetchJob) -> FetchJob:
         path = entries.served_path(entry)
     except BerthError as error:
         return _fail(job, "check", error.message)
-    context = job.options.get("context") or 4096
-    verdict = servability.check(path, context=context)
+    profile = next(iter(entry.profiles or []), {})
+    context = profile.get("context") or entries.DEFAULT_CONTEXT
+    verdict = servability.check(path, profile=profile)
     if not verdict.servable:
         return _fail(job, "check", verdict.reason)
     estimate = verdict.estimate["total_bytes"] if verdict.estimate else None

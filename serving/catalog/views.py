@@ -95,7 +95,7 @@ class ModelCardView(LoginRequiredMixin, PageView):
         entry = kwargs.get("entry") or self.entry()
         verdict = None
         try:
-            verdict = servability.check(entries.served_path(entry))
+            verdict = servability.check(entries.served_path(entry), profile=next(iter(entry.profiles or []), {}))
         except BerthError as error:
             context["not_servable"] = error.message
         files = list(entry.files.select_related("node"))

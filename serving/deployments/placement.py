@@ -27,7 +27,7 @@ from scheduler.policy import plan as policy, recovery, scaling
 from scheduler.policy.inputs import Hold, ReplicaInfo, Scaling, Snapshot
 from scheduler.snapshot import contracts_from_tenancy, inventory, reservations_as_replicas
 from serving import load, ondemand
-from serving.catalog import room
+from serving.catalog import profiles, room
 from serving.catalog.entries import deploy_request
 from serving.catalog.models import ModelEntry
 from serving.deployments import service
@@ -47,13 +47,9 @@ def _stamp(moment) -> float | None:
     return moment.timestamp() if moment else None
 
 
-def _slots(entry: ModelEntry) -> int | None:
-    """How many requests one replica takes at once, as configured: llama.cpp's parallel slots,
-    vLLM's max_num_seqs (its default is 256)."""
-    profile = next(iter(entry.profiles or []), None) or {}
-    if (profile.get("engine") or "llamacpp") == "vllm":
-        return int(profile.get("max_num_seqs") or 256)
-    return int(profile.get("parallel") or 1)
+def _slots(entry: ModelEntry) -> int:
+    """How many requests one replica takes at once, as its first profile configures it."""
+    return profiles.slots(next(iter(entry.profiles or []), None) or {})
 
 
 def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = None,

@@ -38,6 +38,9 @@ OPTIONS: dict[str, Option] = {
     "kv_cache_dtype": Option(str, default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     "quantization": Option(str, default=None, choices=("awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors")),
     "enforce_eager": Option(bool, default=False, help="--enforce-eager (no CUDA graphs: less memory, slower)"),
+    "cpu_offload_gb": Option(float, default=None, minimum=0, maximum=4096,
+                             help="--cpu-offload-gb: GiB of each GPU's weights kept in host memory (slower; "
+                                  "the recovery ladder's degraded relaunch uses it)"),
     "image_tag": Option(str, default=None, pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}",
                         help=f"tag of {IMAGE_REPOSITORY} for the Docker runtime"),
 }
@@ -113,6 +116,8 @@ class VLLM:
                           ("quantization", "--quantization")):
             if config[key] is not None:
                 argv += [flag, config[key]]
+        if config["cpu_offload_gb"]:
+            argv += ["--cpu-offload-gb", f"{config['cpu_offload_gb']:g}"]
         if config["enforce_eager"]:
             argv.append("--enforce-eager")
         if config["enable_sleep_mode"]:

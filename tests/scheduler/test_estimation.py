@@ -1,10 +1,8 @@
 """Estimation from real generated GGUF headers and safetensors folders, with the engines' rules."""
 
-import json
 import struct
 import time
 
-import numpy as np
 import pytest
 
 from scheduler.errors import InvalidEstimateRequest, ModelNotFound, UnreadableModel
@@ -13,6 +11,7 @@ from scheduler.estimation.engines import (
     LlamaCppConfig, VllmConfig, estimate_llamacpp, estimate_vllm, vllm_utilisation,
 )
 from scheduler.estimation.reading import read_model
+from tests.assets.hf_models import llama_like, write_hf_model
 
 GIB = 2**30
 
@@ -123,36 +122,6 @@ def test_invalid_configuration_lists_every_problem(gguf_model):
 
 
 # --- safetensors / Hugging Face layout --------------------------------------------------------
-
-def write_hf_model(folder, config, tensors):
-    """A Hugging Face-shaped folder: config.json and one safetensors file with these tensors."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    header, offset, blobs = {}, 0, []
-    for name, (dtype, shape) in tensors.items():
-        size = int(np.prod(shape)) * {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}[dtype]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-        blobs.append(b"\0" * size)
-    raw = json.dumps(header).encode()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
-    return folder
-
-
-def llama_like(layers=2, hidden=64, heads=4, kv_heads=2, inter=128, vocab=100, dtype="BF16"):
-    tensors = {"model.embed_tokens.weight": (dtype, (vocab, hidden)), "lm_head.weight": (dtype, (vocab, hidden)),
-               "model.norm.weight": (dtype, (hidden,))}
-    head_dim = hidden // heads
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        tensors |= {f"{p}.self_attn.q_proj.weight": (dtype, (heads * head_dim, hidden)),
-                    f"{p}.self_attn.k_proj.weight": (dtype, (kv_heads * head_dim, hidden)),
-                    f"{p}.self_attn.v_proj.weight": (dtype, (kv_heads * head_dim, hidden)),
-                    f"{p}.self_attn.o_proj.weight": (dtype, (hidden, heads * head_dim)),
-                    f"{p}.mlp.up_proj.weight": (dtype, (inter, hidden)),
-                    f"{p}.mlp.down_proj.weight": (dtype, (hidden, inter))}
-    return tensors
-
 
 def test_safetensors_weights_come_from_headers_and_shape_from_config(tmp_path):
     config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,

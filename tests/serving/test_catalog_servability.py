@@ -23,8 +23,9 @@ def test_the_embedded_names_are_in_the_installed_binary(llama_server_binary):
 
 def test_known_architecture_is_servable_with_an_estimate(tmp_path, llama_server_binary):
     model = write_gguf(tmp_path / "known.gguf", ModelShape(architecture="llama"))
-    verdict = servability.check(model, context=512)
+    verdict = servability.check(model, profile={"engine": "llamacpp", "context": 512})
     assert verdict.servable and verdict.architecture == "llama" and verdict.estimate["total_bytes"] > 0
+    assert verdict.estimate["breakdown"]["inputs"]["ctx_size"] == 512
     server = LlamaServer(llama_server_binary, model, tmp_path / "known.log")
     try:
         server.wait_ready()  # and llama.cpp agrees

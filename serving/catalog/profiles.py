@@ -1,0 +1,68 @@
+"""A catalog profile in its engine's terms.
+
+A profile states its settings once, in the catalog's words — ``context`` (tokens: llama.cpp's
+``-c`` for all its slots, vLLM's ``--max-model-len`` per sequence) and ``parallel`` (requests at
+once: llama.cpp's slots, vLLM's ``--max-num-seqs``). This module turns them into the engine's
+configuration, which is what a replica runs with, what its memory is estimated from (the
+deployment service maps engine keys to the estimator's) and what load scaling counts as one
+replica's capacity — one translation, so the three never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+GIB = 2**30
+DEFAULT_CONTEXT = 4096
+MIN_DEGRADED_CONTEXT = 256  # a degraded relaunch halves the context, never below this
+# The catalog's names → each engine's configuration keys.
+ENGINE_KEYS = {"llamacpp": {"context": "context", "parallel": "parallel"},
+               "vllm": {"context": "max_model_len", "parallel": "max_num_seqs"}}
+# Requests one replica takes at once when the profile does not say (the engines' own defaults).
+DEFAULT_SLOTS = {"llamacpp": 1, "vllm": 256}
+
+
+def engine(profile: dict) -> str:
+    return profile.get("engine") or "llamacpp"
+
+
+def engine_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
+    """The engine configuration a profile asks for (``kind`` overrides the profile's engine)."""
+    names = ENGINE_KEYS[kind or engine(profile)]
+    return {names[key]: profile[key] for key in names if profile.get(key)}
+
+
+def estimate_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
+    """The same settings in the memory estimator's names. An unset context is what the engine
+    runs: Berth starts llama.cpp at 4096 tokens, vLLM at the model's own length (the estimator's
+    default for both would be the model's)."""
+    from serving.deployments.service import estimation_config
+
+    kind = kind or engine(profile)
+    config = engine_config(profile, kind)
+    if kind == "llamacpp":
+        config.setdefault("context", DEFAULT_CONTEXT)
+    return estimation_config(kind, config)
+
+
+def slots(profile: dict) -> int:
+    """How many requests one replica takes at once, as configured."""
+    return int(profile.get("parallel") or DEFAULT_SLOTS[engine(profile)])
+
+
+def degraded(kind: str, config: dict[str, Any], shape, *, on_gpu: bool, shards: int = 1) -> dict[str, Any]:
+    """The recovery ladder's degraded relaunch (after running out of memory, or hanging twice):
+    half the context — the KV cache shrinks with it — and, on a GPU, a quarter of the weights off
+    it: llama.cpp keeps three quarters of its layers on the GPU, vLLM offloads a quarter of each
+    GPU's weights to host memory (``--cpu-offload-gb``). ``shape`` is the model's, as read."""
+    config = dict(config)
+    key = ENGINE_KEYS[kind]["context"]
+    # Unset, llama.cpp runs 4096 tokens and vLLM the model's own length.
+    context = config.get(key) or (DEFAULT_CONTEXT if kind == "llamacpp" else shape.context_length or DEFAULT_CONTEXT)
+    config[key] = max(MIN_DEGRADED_CONTEXT, context // 2)
+    if on_gpu and kind == "llamacpp":
+        config["gpu_layers"] = shape.layers * 3 // 4
+    elif on_gpu and kind == "vllm":
+        config["cpu_offload_gb"] = math.ceil(shape.weights_bytes / max(1, shards) / 4 / GIB * 100) / 100
+    return config
