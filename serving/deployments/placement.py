@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import Counter
 from typing import Mapping
 
 from django.core.cache import cache
@@ -67,7 +68,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
         wanted[name] = max(wanted.get(name, 0), count)
     entries = {e.name: e for e in ModelEntry.objects.select_related("owner")}
     rows = list(Replica.objects.select_related("deployment", "node")
-                .filter(deployment__name__in=entries, state__in=COUNTING))
+                .filter(deployment__name__in=entries, state__in=COUNTING).order_by("created_at", "pk"))
     used = ondemand.last_used(entries, {r.deployment.name for r in rows}, now)
     extra = scale(now, live, entries.values(), rows, step=step_scaling)
     public_ids = dict(Accelerator.objects.values_list("uuid", "public_id"))
@@ -82,9 +83,10 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
             fallbacks=tuple(entry.fallbacks or ()), last_requested_at=used.get(entry.name),
             waiting=wanted.get(entry.name, 0), waiting_since=live.waiting_since.get(entry.name),
             extra=extra.get(entry.name, 0)))
-    replicas, catalog_holders = [], set()
+    replicas, catalog_holders, counted = [], set(), Counter()
     for replica in rows:
         deployment = replica.deployment
+        counted[deployment.name] += 1  # oldest first: those beyond the base are the load-added ones
         catalog_holders.add(service.holder_of(replica))
         accelerators = tuple(str(public_ids[u]) for u in deployment.gpu_uuids if u in public_ids)
         in_flight = live.in_flight.get(str(replica.public_id), 0)
@@ -96,7 +98,8 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
             ready_since=_stamp(replica.ready_at),
             load_seconds=(replica.ready_at - replica.started_at).total_seconds()
             if replica.ready_at and replica.started_at else None,
-            created_at=replica.created_at.timestamp()))
+            created_at=replica.created_at.timestamp(),
+            load_added=counted[deployment.name] > max(entries[deployment.name].scaling_min, 1)))
     others = tuple(r for r in reservations_as_replicas() if r.id.removeprefix("reservation:") not in catalog_holders)
     return Snapshot(now=now, nodes=inventory(), models=tuple(models), replicas=tuple(replicas) + others,
                     contracts=contracts_from_tenancy(), failures=recovery_service.failure_states(),

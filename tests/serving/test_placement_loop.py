@@ -134,6 +134,8 @@ def test_load_held_for_a_minute_adds_a_replica_and_says_why(setup, gateway_repor
     assert "3 in flight" in caplog.text and "one replica added" in caplog.text
     assert PlacementDecision.objects.filter(model="placed", verdict="placed", reason_codes__contains=["load"]).exists()
     assert serving_count() == 2
+    seen = sorted((r.created_at, r.load_added) for r in placement.snapshot().replicas if r.model == "placed")
+    assert [added for _, added in seen] == [False, True]  # the newer one is the load-added one: it goes first
     assert placement.reconcile()["launched"] == []  # never while another is still starting, never above max
 
 
