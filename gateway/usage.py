@@ -57,19 +57,24 @@ def write_batch(rows: list[dict]) -> int:
     return len(records)
 
 
-def _note_used(rows: list[dict]) -> None:
-    """Tell Serving when each model was last served, so idle on-demand models can be unloaded."""
+def _tell_serving(rows: list[dict]) -> None:
+    """Tell Serving what a batch says: when each model was last served (idle on-demand models are
+    unloaded after their timeout) and how fast each catalog profile generated (placement prefers
+    the faster). A missed note only delays an unload or a preference; the usage still gets written."""
     from serving import ondemand
+    from serving.catalog import speed
 
     last: dict[str, float] = {}
     for row in rows:
         name, at = row.get("model_served"), row.get("finished_at") or row.get("started_at")
         if name and isinstance(at, (int, float)):
             last[name] = max(at, last.get(name, 0.0))
-    try:
-        ondemand.note_used(last)
-    except Exception:  # noqa: BLE001 - a missed note only delays an unload; usage still gets written
-        log.exception("could not note when models were last used")
+    for what, note in (("when models were last used", lambda: ondemand.note_used(last)),
+                       ("how fast profiles generated", lambda: speed.note(rows))):
+        try:
+            note()
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.exception("could not note %s", what)
 
 
 def park(rows: list[dict], redis_url: str | None) -> None:
@@ -87,7 +92,7 @@ def park(rows: list[dict], redis_url: str | None) -> None:
 
 
 def write_or_park(rows: list[dict], redis_url: str | None) -> None:
-    _note_used(rows)
+    _tell_serving(rows)
     try:
         write_batch(rows)
     except Exception:  # noqa: BLE001 - any database failure: keep the rows for the retry task

@@ -48,6 +48,8 @@ class Deployment(models.Model):
     runtime = models.CharField(max_length=12, choices=Runtime.choices, default=Runtime.PROCESS)
     model_path = models.CharField(max_length=1024)
     config = models.JSONField(default=dict, blank=True, help_text="The engine's validated configuration.")
+    profile = models.CharField(max_length=100, blank=True,
+                               help_text="The catalog profile it runs; empty when deployed by hand.")
     node = models.ForeignKey("scheduler.Node", on_delete=models.PROTECT, related_name="deployments")
     gpu_uuids = models.JSONField(default=list, blank=True)
     owner = models.ForeignKey("tenancy.Scope", null=True, blank=True, on_delete=models.PROTECT,
@@ -156,4 +158,4 @@ class Operation(models.Model):
         return f"{self.get_kind_display()} of {self.source.name if self.source else '—'} ({self.state})"
 
 
-from serving.catalog.models import FetchJob, ModelEntry, ModelFile  # noqa: E402,F401  (the catalog's tables)
+from serving.catalog.models import FetchJob, ModelEntry, ModelFile, ProfileSpeed  # noqa: E402,F401  (the catalog's tables)

@@ -8,7 +8,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from serving.catalog import entries, fetch, hub, placing, room, servability
+from serving.catalog import entries, fetch, hub, placing, room, servability, speed
 from serving.catalog.models import FetchJob, ModelEntry, ModelFile
 from serving.catalog.views import visible_jobs
 from tenancy import access
@@ -32,13 +32,23 @@ class ModelEntrySerializer(serializers.ModelSerializer):
         read_only=True, help_text="The class placement gives the model: service_class, or when that is empty "
                                   "opportunistic on demand (scaling_min 0), else standard.")
     files = ModelFileSerializer(many=True, read_only=True)
+    measured_tokens_per_second = serializers.SerializerMethodField(
+        help_text="Generation speed per profile name, measured on the requests the gateway served; a profile "
+                  "not measured yet is absent. Among profiles of equal priority placement tries the fastest "
+                  "per accelerator or core first.")
 
     class Meta:
         model = ModelEntry
         fields = ["public_id", "name", "aliases", "description", "task", "owner", "source_kind", "source_repo",
                   "source_revision", "source_path", "source_package", "format", "quantisation", "architecture",
                   "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class",
-                  "fallbacks", "fingerprint", "files", "created_at", "updated_at"]
+                  "fallbacks", "fingerprint", "measured_tokens_per_second", "files", "created_at", "updated_at"]
+
+    def get_measured_tokens_per_second(self, entry) -> dict[str, float]:
+        speeds = self.context.get("speeds")
+        if speeds is None:  # one entry on its own; a list passes every model's at once
+            speeds = speed.measured([entry.name])
+        return {profile: round(rate, 2) for (model, profile), rate in sorted(speeds.items()) if model == entry.name}
 
 
 class ModelPlacementSerializer(serializers.Serializer):
@@ -95,6 +105,12 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
 
     def get_queryset(self):
         return entries.visible_entries(self.request.user).prefetch_related("files__node")
+
+    def get_serializer_context(self):
+        context = super().get_serializer_context()
+        if self.action == "list":
+            context["speeds"] = speed.measured()
+        return context
 
     @extend_schema(request=ModelPlacementSerializer, responses=ModelEntrySerializer)
     def partial_update(self, request, public_id=None):

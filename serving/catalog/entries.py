@@ -329,4 +329,4 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
         name=serves_as or entry.name, model_path=str(path), node=node,
         engine=kind, task=entry.task, config=config, accelerator=accelerator,
         owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica,
-        waits_for=tuple(waits_for), shards=tuple(shards))
+        waits_for=tuple(waits_for), shards=tuple(shards), profile=chosen.get("name") or "")

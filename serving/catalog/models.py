@@ -167,3 +167,28 @@ class FetchJob(models.Model):
     def percent(self) -> int | None:
         total = self.total_bytes
         return int(self.done_bytes * 100 / total) if total else None
+
+
+class ProfileSpeed(models.Model):
+    """How fast a catalog model's profile generates, measured on the requests the gateway served
+    (``serving.catalog.speed``): tokens and generation seconds summed, older ones weighing less.
+    The placement policy prefers, among profiles of equal priority, the most tokens/s per
+    accelerator or core."""
+
+    model = models.CharField(max_length=200, help_text="The catalog model's name.")
+    profile = models.CharField(max_length=100)
+    tokens = models.FloatField(default=0.0, help_text="Generated tokens counted (decayed).")
+    seconds = models.FloatField(default=0.0, help_text="Seconds spent generating them (decayed alike).")
+    requests = models.PositiveIntegerField(default=0, help_text="Requests measured in all.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model", "profile"]
+        constraints = [models.UniqueConstraint(fields=["model", "profile"], name="one_speed_per_profile")]
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.profile}: {self.tokens_per_second:.1f} tokens/s"
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0

@@ -14,9 +14,10 @@ import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Mapping
 
 from berth.errors import BerthError
-from serving.catalog import entries, profiles
+from serving.catalog import entries, profiles, speed
 from serving.catalog.errors import ScalingRefused
 from serving.catalog.models import ModelEntry
 
@@ -107,10 +108,13 @@ def _profile_bytes(entry: ModelEntry, profile: dict) -> int | None:
     return int(verdict.estimate["total_bytes"])
 
 
-def desired_model(entry: ModelEntry):
+def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | None = None):
     """The entry as the policy's model, wanting no replica of its own (so the dry run counts only
-    what comes on top of what already runs: running replicas are in the snapshot as reservations)."""
+    what comes on top of what already runs: running replicas are in the snapshot as reservations).
+    ``speeds``: measured tokens/s per (model, profile), read for this entry when not given."""
     from scheduler.policy.inputs import DesiredModel, Profile, Scaling
+
+    speeds = speed.measured([entry.name]) if speeds is None else speeds
 
     ways = []
     for index, p in enumerate(entry.profiles or []):
@@ -119,9 +123,9 @@ def desired_model(entry: ModelEntry):
             continue
         engine = profiles.engine(p)
         gpus = int(p.get("gpus", 1 if engine == "vllm" else 0))
-        ways.append(Profile(name=p.get("name") or f"profile-{index}", engine=engine, gpus=gpus,
-                                memory_bytes=size, cpu_cores=int(p.get("cores") or 0),
-                                priority=int(p.get("priority") or 0)))
+        name = p.get("name") or f"profile-{index}"
+        ways.append(Profile(name=name, engine=engine, gpus=gpus, memory_bytes=size, cpu_cores=int(p.get("cores") or 0),
+                            priority=int(p.get("priority") or 0), tokens_per_s=speeds.get((entry.name, name))))
     if not ways:
         return None
     return DesiredModel(entry.name, tuple(ways), Scaling(min=0, max=entry.scaling_max),

@@ -88,9 +88,7 @@ def run(job: FetchJob) -> FetchJob:
     # The placement loop may already have launched it (the entry wants a replica): wait for that one.
     running = Deployment.objects.filter(name=entry.name, state__in=states.ACTIVE + ("planned",)).first()
     try:
-        deployment = running or service.deploy(actor, service.DeployRequest(
-            name=entry.name, model_path=str(path), node=node, task=entry.task, config={"context": context},
-            owner=job.owner))
+        deployment = running or service.deploy(actor, entries.deploy_request(entry, node))
     except BerthError as error:
         return _fail(job, "deploy", error.message)
     _step(job, "deploy", "done", f"{deployment.name} on {node.name}")

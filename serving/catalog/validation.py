@@ -59,7 +59,9 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(profile, dict):
             problem(where, "A profile is an object.")
             continue
-        if profile.get("name") in names:
+        if not isinstance(profile.get("name"), str) or not profile["name"].strip():
+            problem(f"{where}.name", "A profile has a name: placement and its measured speed refer to it.")
+        elif profile.get("name") in names:
             problem(f"{where}.name", "Two profiles share a name.")
         names.add(profile.get("name"))
         engine = profile.get("engine")

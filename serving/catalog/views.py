@@ -11,9 +11,9 @@ from django.views import View
 
 from berth.errors import BerthError, InvalidInput
 from berth.htmx import PageView, render_page
-from serving.catalog import entries, fetch, hub, placing, room, servability, serve
+from serving.catalog import entries, fetch, hub, placing, profiles, room, servability, serve
 from serving.catalog.errors import HubUnreachable
-from serving.catalog.models import FetchJob, ModelEntry
+from serving.catalog.models import FetchJob, ModelEntry, ProfileSpeed
 from serving.catalog.tables import FetchJobTable, FileTable, HeldTable
 from tenancy import access
 from tenancy.audit import Actor
@@ -105,7 +105,11 @@ class ModelCardView(LoginRequiredMixin, PageView):
         owners = placing.owners_for(self.request.user)
         if entry.owner is not None and entry.owner not in owners:
             owners.insert(0, entry.owner)  # shown as it is, even where the caller may not give it away
-        context.update(entry=entry, files=FileTable(files), verdict=verdict, tab="held",
+        speeds = {row.profile: row for row in ProfileSpeed.objects.filter(model=entry.name)}
+        ways = [{"name": p.get("name", ""), "engine": profiles.engine(p), "context": p.get("context"),
+                 "slots": profiles.slots(p), "priority": p.get("priority"), "speed": speeds.get(p.get("name"))}
+                for p in entry.profiles or []]
+        context.update(entry=entry, files=FileTable(files), verdict=verdict, tab="held", profiles=ways,
                        replicas=[(d, r) for d in entry.deployments for r in d.replica_set.all() if r.state in room.LIVE],
                        room=room.room_for_more(entry), where=entry.placement,
                        values=kwargs.get("values") or placement_values(entry), problems=kwargs.get("problems") or {},

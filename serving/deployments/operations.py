@@ -50,7 +50,7 @@ def reconfigure(actor: Actor, source: Deployment, config_patch: dict) -> Operati
     request = service.DeployRequest(name=source.name, model_path=source.model_path, node=source.node,
                                     engine=source.engine, runtime=source.runtime, task=source.task,
                                     config={**source.config, **config_patch}, owner=source.owner,
-                                    priority=source.priority, cores=source.cores)
+                                    priority=source.priority, cores=source.cores, profile=source.profile)
     return switch(actor, source, request, kind=Operation.Kind.RECONFIGURE)
 
 

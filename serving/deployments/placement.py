@@ -28,7 +28,7 @@ from scheduler.policy import plan as policy, recovery, scaling
 from scheduler.policy.inputs import Hold, ReplicaInfo, Scaling, Snapshot
 from scheduler.snapshot import contracts_from_tenancy, inventory, reservations_as_replicas
 from serving import load, ondemand
-from serving.catalog import profiles, room
+from serving.catalog import profiles, room, speed
 from serving.catalog.entries import deploy_request
 from serving.catalog.models import ModelEntry
 from serving.deployments import service
@@ -72,9 +72,9 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
     used = ondemand.last_used(entries, {r.deployment.name for r in rows}, now)
     extra = scale(now, live, entries.values(), rows, step=step_scaling)
     public_ids = dict(Accelerator.objects.values_list("uuid", "public_id"))
-    models = []
+    models, speeds = [], speed.measured()
     for entry in entries.values():
-        desired = room.desired_model(entry)
+        desired = room.desired_model(entry, speeds)
         if desired is None:
             continue  # nothing servable to place (no verified file, no estimate)
         models.append(dataclasses.replace(
@@ -91,7 +91,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
         accelerators = tuple(str(public_ids[u]) for u in deployment.gpu_uuids if u in public_ids)
         in_flight = live.in_flight.get(str(replica.public_id), 0)
         replicas.append(ReplicaInfo(
-            id=str(replica.public_id), model=deployment.name, profile=deployment.config.get("profile", ""),
+            id=str(replica.public_id), model=deployment.name, profile=deployment.profile,
             node=replica.node.name, accelerators=accelerators, memory_bytes=replica.memory_reserved_bytes or 0,
             cpu_cores=deployment.cores or 0, state="ready" if replica.state == S.READY else "starting",
             active_requests=in_flight, last_used_at=now if in_flight else used.get(deployment.name),

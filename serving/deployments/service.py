@@ -52,6 +52,7 @@ class DeployRequest:
     another_replica: bool = False
     # Replicas stopped to make room for this one (preemption): it starts once they have stopped.
     waits_for: tuple[str, ...] = ()
+    profile: str = ""  # the catalog profile it runs ("" when deployed by hand)
 
 
 def estimation_config(engine: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +129,8 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
                 raise DeploymentConflict(f"A deployment already serves {request.name!r}; stop it or switch to the new one.")
             deployment = Deployment.objects.create(
                 name=request.name.strip(), task=request.task, engine=request.engine, runtime=request.runtime,
-                model_path=str(memory.allowed_model_path(request.model_path)), config=config, node=request.node,
+                model_path=str(memory.allowed_model_path(request.model_path)), config=config, profile=request.profile,
+                node=request.node,
                 gpu_uuids=[a.uuid for a in (request.accelerator, *request.shards) if a is not None], owner=request.owner,
                 priority=request.priority, cores=request.cores, memory_reserved_bytes=reserve_bytes,
                 estimate=result.estimate.as_dict(), created_by=actor.user)

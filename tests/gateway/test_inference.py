@@ -44,6 +44,24 @@ def test_chat_streams_and_usage_is_known_without_asking(gateway, chat_engine, de
     assert record.ttft_ms is not None and record.ttft_ms <= record.total_ms
 
 
+def test_served_requests_measure_the_speed_of_the_profile_they_ran_on(gateway, chat_engine, deploy, make_key):
+    from serving.catalog.models import ProfileSpeed
+    from serving.models import Deployment
+
+    made = deploy("smollm2", chat_engine)
+    Deployment.objects.filter(pk=made.deployment.pk).update(profile="cpu")  # as the catalog deploys it
+    client = gateway.openai(make_key().key)
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=24,
+        temperature=0, stream=True, extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "speed-1"})
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices).strip()
+    record = record_of("speed-1")  # the speed is noted before the batch is written
+    measured = ProfileSpeed.objects.get(model="smollm2", profile="cpu")
+    assert record.completion_tokens == 24 and measured.requests == 1 and measured.tokens == 23  # after the first
+    assert measured.seconds == pytest.approx((record.total_ms - record.ttft_ms) / 1000, rel=1e-6)
+    assert measured.tokens_per_second > 0
+
+
 def test_completions_stream_and_not(gateway, tiny_engine, deploy, make_key):
     deploy("tiny", tiny_engine, task="completion")
     client = gateway.openai(make_key().key)
