@@ -41,7 +41,7 @@ class ModelEntrySerializer(serializers.ModelSerializer):
         model = ModelEntry
         fields = ["public_id", "name", "aliases", "description", "task", "owner", "source_kind", "source_repo",
                   "source_revision", "source_path", "source_package", "format", "quantisation", "architecture",
-                  "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class",
+                  "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class", "pinned",
                   "fallbacks", "fingerprint", "measured_tokens_per_second", "files", "created_at", "updated_at"]
 
     def get_measured_tokens_per_second(self, entry) -> dict[str, float]:
@@ -64,6 +64,8 @@ class ModelPlacementSerializer(serializers.Serializer):
                   "(opportunistic when on demand, else standard).")
     idle_timeout_seconds = serializers.IntegerField(
         required=False, allow_null=True, help_text="An on-demand replica idle this long is stopped; null: the default.")
+    pinned = serializers.BooleanField(required=False, help_text="Always resident, even at minimum 0; its replicas "
+                                                                "are never evicted or preempted.")
     owner = serializers.CharField(
         required=False, allow_null=True, allow_blank=True,
         help_text="A scope (project:acme/ml/search, its path or id) where you are member or above; "

@@ -25,7 +25,7 @@ DEFAULT_CONTEXT = profiles.DEFAULT_CONTEXT
 VLLM_DEFAULT_PARALLEL = 16  # a new vLLM profile's max_num_seqs: the estimate holds KV for this many full sequences
 ENTRY_FIELDS = ("name", "aliases", "description", "task", "source_kind", "source_repo", "source_revision",
                 "source_path", "source_package", "format", "quantisation", "architecture", "profiles", "scaling_min",
-                "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks")
+                "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks", "pinned")
 
 
 def suggest_name(repo: str) -> str:
@@ -44,7 +44,8 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
     its source or profiles change, an audit event in the same transaction."""
     defaults = {"aliases": [], "description": "", "task": "chat", "source_repo": "", "source_revision": "",
                 "source_path": "", "source_package": "", "quantisation": "", "architecture": "", "scaling_min": 0,
-                "scaling_max": 1, "idle_timeout_seconds": None, "service_class": "", "fallbacks": []}
+                "scaling_max": 1, "idle_timeout_seconds": None, "service_class": "", "fallbacks": [],
+                "pinned": False}
     merged = {**defaults, **(as_fields(entry) if entry else {}), **fields}
     validation.require_valid(merged)
     clash = ModelEntry.objects.filter(name=merged["name"]).exclude(pk=entry.pk if entry else None).first()

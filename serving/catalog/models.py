@@ -62,6 +62,8 @@ class ModelEntry(models.Model):
     service_class = models.CharField(max_length=16, choices=ServiceClass.choices, default=ServiceClass.AUTOMATIC,
                                      blank=True, help_text="Empty: opportunistic when on demand, else standard.")
     fallbacks = models.JSONField(default=list, blank=True)
+    pinned = models.BooleanField(default=False, help_text="Always resident, even at minimum 0; its replicas are "
+                                                          "never evicted or preempted.")
     fingerprint = models.CharField(max_length=16, blank=True, db_index=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")

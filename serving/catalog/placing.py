@@ -1,5 +1,5 @@
 """A catalog model's placement as a person changes it: always running (the minimum), at most under
-load (the maximum), capacity class, idle timeout and owner.
+load (the maximum), capacity class, idle timeout, pinned (always resident, never evicted) and owner.
 
 The console card and the API's PATCH both call ``change``, so one set of rules holds for both:
 
@@ -7,7 +7,8 @@ The console card and the API's PATCH both call ``change``, so one set of rules h
 * moving it to another owner takes the same on the new one; making it shared, an administrator;
 * the entry is checked whole (``validation``: max ≥ min, a known class or automatic, a timeout of
   at least a second or the default);
-* a raised minimum must be one placement can meet (``room.check_scaling`` says why not).
+* a raised minimum must be one placement can meet (``room.check_scaling`` says why not); a pinned
+  model wants at least one replica.
 
 Every refusal that concerns a field names it in ``details["problems"]`` ([{field, message}]), as
 the validation's refusals do.
@@ -30,9 +31,9 @@ from tenancy.errors import Forbidden
 from tenancy.models import Scope
 from tenancy.services.tree import resolve_scope
 
-FIELDS = ("scaling_min", "scaling_max", "service_class", "idle_timeout_seconds")
+FIELDS = ("scaling_min", "scaling_max", "service_class", "idle_timeout_seconds", "pinned")
 LABELS = {"scaling_min": "Always running", "scaling_max": "At most under load", "service_class": "Capacity class",
-          "idle_timeout_seconds": "Idle timeout", "owner": "Owner"}
+          "idle_timeout_seconds": "Idle timeout", "pinned": "Pinned", "owner": "Owner"}
 
 
 class _Keep:
@@ -128,9 +129,9 @@ def change(actor: Actor, entry: ModelEntry, values: dict[str, Any], *, owner: An
         entry.owner = owner  # the room is asked as the new owner's (its quotas), and saved with the fields
     try:
         try:
-            room.check_scaling(entry, merged["scaling_min"], merged["scaling_max"])
+            room.check_scaling(entry, max(merged["scaling_min"], 1 if merged["pinned"] else 0), merged["scaling_max"])
         except ScalingRefused as refused:
-            raise _with_field(refused, "scaling_min")
+            raise _with_field(refused, "pinned" if merged["pinned"] and not merged["scaling_min"] else "scaling_min")
         with transaction.atomic():
             entry = entries.save_entry(actor, values, entry=entry)
             changed = {field: {"from": before[field], "to": getattr(entry, field)} for field in FIELDS

@@ -95,6 +95,8 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
     if service_class not in CLASSES:
         named = ", ".join(c for c in CLASSES if c)
         problem("service_class", f"One of {named}, or empty for automatic (not {service_class!r}).")
+    if not isinstance(entry.get("pinned", False), bool):
+        problem("pinned", f"True or false (not {entry.get('pinned')!r}).")
     fallbacks = entry.get("fallbacks") or []
     if not isinstance(fallbacks, list) or any(not isinstance(f, str) for f in fallbacks):
         problem("fallbacks", "A list of model names.")

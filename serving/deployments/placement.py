@@ -80,7 +80,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
         models.append(dataclasses.replace(
             desired, scaling=Scaling(min=entry.scaling_min, max=max(entry.scaling_max, entry.scaling_min),
                                      idle_timeout_s=entry.idle_timeout_seconds or ondemand.DEFAULT_IDLE_SECONDS),
-            fallbacks=tuple(entry.fallbacks or ()), last_requested_at=used.get(entry.name),
+            fallbacks=tuple(entry.fallbacks or ()), pinned=entry.pinned, last_requested_at=used.get(entry.name),
             waiting=wanted.get(entry.name, 0), waiting_since=live.waiting_since.get(entry.name),
             extra=extra.get(entry.name, 0)))
     replicas, catalog_holders, counted = [], set(), Counter()
@@ -98,7 +98,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
             ready_since=_stamp(replica.ready_at),
             load_seconds=(replica.ready_at - replica.started_at).total_seconds()
             if replica.ready_at and replica.started_at else None,
-            created_at=replica.created_at.timestamp(),
+            created_at=replica.created_at.timestamp(), pinned=entries[deployment.name].pinned,
             load_added=counted[deployment.name] > max(entries[deployment.name].scaling_min, 1)))
     others = tuple(r for r in reservations_as_replicas() if r.id.removeprefix("reservation:") not in catalog_holders)
     return Snapshot(now=now, nodes=inventory(), models=tuple(models), replicas=tuple(replicas) + others,

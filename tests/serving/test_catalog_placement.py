@@ -1,5 +1,5 @@
 """A held model's placement as a person changes it, on its card and through the API: always running
-(min), at most under load (max), capacity class (automatic when unset), idle timeout and owner.
+(min), at most under load (max), capacity class (automatic when unset), idle timeout, pinned and owner.
 Every refusal names its field; a refused form comes back as it was typed."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_the_card_saves_class_idle_timeout_and_the_range_and_records_what_change
     client.force_login(admin_user)
     saved = client.post(card(held), {"scaling_min": "1", "scaling_max": "2", "service_class": "critical",
                                      "idle_timeout_seconds": "120", "owner": ""}, follow=True)
-    assert b"at least 1, at most 2 replicas, class critical, idle timeout 120 s, owner shared" in saved.content
+    assert b"at least 1, at most 2 replicas, class critical, idle timeout 120 s, not pinned, owner shared" in saved.content
     held.refresh_from_db()
     assert (held.scaling_min, held.scaling_max) == (1, 2)
     assert (held.service_class, held.idle_timeout_seconds) == ("critical", 120)
@@ -229,3 +229,41 @@ def test_api_patch_checks_the_owner_on_both_sides(client, admin_user, owned, per
     client.force_login(admin_user)
     assert patch(client, owned, {"owner": ""}).json()["owner"] is None
     assert ModelEntry.objects.get(pk=owned.pk).owner is None
+
+
+# --- pinned: always resident ------------------------------------------------------------------------
+
+def test_the_card_pins_and_unpins_a_model_and_records_it(client, admin_user, held, two_fit):
+    client.force_login(admin_user)
+    assert 'name="pinned" value="on">' in client.get(card(held)).content.decode()  # not checked
+    form = {"scaling_min": "0", "scaling_max": "1", "service_class": "", "idle_timeout_seconds": "", "owner": ""}
+    saved = client.post(card(held), {**form, "pinned": ["off", "on"]}, follow=True)  # the hidden off, then the box
+    assert b"idle timeout the default, pinned, owner shared" in saved.content
+    held.refresh_from_db()
+    assert held.pinned
+    assert AuditEvent.objects.get(action="catalog.model.placement").details["changes"]["pinned"] == \
+        {"from": False, "to": True}
+    assert 'name="pinned" value="on" checked>' in client.get(card(held)).content.decode()
+    client.post(card(held), {**form, "pinned": "off"})  # unchecked: only the hidden field is sent
+    held.refresh_from_db()
+    assert not held.pinned
+
+
+def test_api_patch_pins_and_refuses_what_is_not_true_or_false(client, admin_user, held, two_fit):
+    client.force_login(admin_user)
+    body = patch(client, held, {"pinned": True}).json()
+    assert body["pinned"] is True and (body["scaling_min"], body["scaling_max"]) == (0, 1)
+    refused = patch(client, held, {"pinned": "sometimes"})
+    assert refused.status_code == 400 and "pinned" in refused.json()["error"]["details"]
+    assert patch(client, held, {"pinned": False}).json()["pinned"] is False
+
+
+def test_a_pin_placement_cannot_meet_is_refused_naming_the_field(client, admin_user, held):
+    client.force_login(admin_user)  # no node: nothing fits anywhere
+    refused = patch(client, held, {"pinned": True})
+    assert refused.status_code == 409
+    error = refused.json()["error"]
+    assert error["code"] == "scaling_refused" and error["details"]["problems"][0]["field"] == "pinned"
+    held.refresh_from_db()
+    assert not held.pinned
+

@@ -275,3 +275,16 @@ def test_one_pass_at_a_time(setup):
     finally:
         freed.join()
     assert cache.get(placement.LOCK_KEY) is None  # and lets go
+
+
+def test_a_pinned_on_demand_model_stays_resident_however_idle(setup):
+    ModelEntry.objects.filter(name="placed").update(scaling_min=0, pinned=True)
+    assert placement.reconcile()["launched"] == ["placed"]  # pinned: one replica even at minimum 0
+    mark_ready("placed")
+    ondemand.note_used({"placed": time.time() - 10 * 3600})  # idle for hours
+    [replica] = [r for r in placement.snapshot().replicas if r.model == "placed"]
+    assert replica.pinned
+    assert placement.reconcile() == {"launched": [], "evicted": [], "unschedulable": {}}
+    ModelEntry.objects.filter(name="placed").update(pinned=False)
+    assert placement.reconcile()["evicted"] == ["placed"]  # unpinned, it is an idle on-demand model again
+
