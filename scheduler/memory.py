@@ -17,7 +17,7 @@ from scheduler.errors import (
     InsufficientMemory, InvalidCalibration, InvalidEstimateRequest, ModelOutsideRoots, NotPlaceable,
 )
 from scheduler.estimation.engines import (
-    Estimate, LlamaCppConfig, VllmConfig, estimate_llamacpp, estimate_vllm, vllm_utilisation,
+    Estimate, LlamaCppConfig, Part, VllmConfig, estimate_llamacpp, estimate_vllm, vllm_utilisation,
 )
 from scheduler.estimation.reading import read_model
 from scheduler.estimation.shape import ModelShape
@@ -55,6 +55,19 @@ def engine_config(engine: str, values: dict[str, Any] | None = None):
     config = cls(**{k: v for k, v in values.items() if v is not None})
     config.validate()
     return config
+
+
+def with_draft(estimate: Estimate, draft: Estimate, name: str) -> Estimate:
+    """A model's estimate with its speculative-decoding draft in the same engine: the draft's
+    weights, KV cache (at the same context and slots) and compute buffers on the same device, as a
+    part of their own — not a second process overhead. The draft's figure is not calibrated
+    (calibration records are per model, and a load with a draft is not one model's)."""
+    added = draft.weights_bytes + draft.kv_cache_bytes + draft.compute_bytes
+    part = Part("draft", added, f"draft model {name or '?'}: weights {draft.weights_bytes:,} + KV cache "
+                                f"{draft.kv_cache_bytes:,} + compute {draft.compute_bytes:,} bytes")
+    return dataclasses.replace(estimate, total_bytes=estimate.total_bytes + added, parts=estimate.parts + (part,),
+                               host_bytes=estimate.host_bytes + draft.host_bytes,
+                               inputs={**estimate.inputs, "draft": {"name": name, "bytes": added}})
 
 
 def device_of(engine: str, config, accelerator: Accelerator | None) -> str:
@@ -144,9 +157,10 @@ def estimate_and_fit(model_path: str | Path, engine: str, config_values: dict[st
                      engine_version: str | None = None, node: Node | None = None,
                      accelerator: Accelerator | None = None, residents: Sequence[fitting.Resident] = (),
                      variants: Sequence[tuple[str, str]] = (), priority: int = 0,
-                     check_root: bool = True) -> EstimateResult:
+                     check_root: bool = True, draft_path: str | Path | None = None) -> EstimateResult:
     """Will this fit, and what is it made of: the calibrated estimate, and with a node (or one of
-    its accelerators) the fit and, if it does not fit, plans."""
+    its accelerators) the fit and, if it does not fit, plans. ``draft_path``: a speculative-decoding
+    draft that rides in the same engine (``with_draft``): both fit, or neither."""
     path = allowed_model_path(model_path) if check_root else Path(model_path)
     config = engine_config(engine, config_values)
     shape = read_model(path)
@@ -159,6 +173,9 @@ def estimate_and_fit(model_path: str | Path, engine: str, config_values: dict[st
             installed = next((e for e in node.engines.all() if e.kind == engine), None)
             engine_version = installed.version if installed else ""
     estimate = calibrated_estimate(shape, engine, config, engine_version=engine_version, accelerator=accelerator)
+    if draft_path is not None:
+        draft_shape = read_model(allowed_model_path(draft_path) if check_root else Path(draft_path))
+        estimate = with_draft(estimate, raw_estimate(draft_shape, engine, config, accelerator), draft_shape.name)
     device = device_of(engine, config, accelerator)
     notes: list[str] = []
     fit = None

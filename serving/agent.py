@@ -212,9 +212,10 @@ def _note_launch_failure(replica: Replica, kind: str, message: str) -> None:
 
 
 def _calibrate(replica: Replica, peak: int | None) -> None:
-    """Teach the estimator what this load really used (CPU: peak resident memory)."""
+    """Teach the estimator what this load really used (CPU: peak resident memory). Not a load with
+    a draft model: its peak is two models', and calibration records are one model's."""
     deployment = replica.deployment
-    if not peak or deployment.gpu_uuids:
+    if not peak or deployment.gpu_uuids or deployment.config.get("draft_model"):
         return
     try:
         shape = read_model(deployment.model_path)
@@ -234,6 +235,8 @@ def _engine_version(replica: Replica) -> str:
 
 def _record_oom(replica: Replica, exit: Exit) -> None:
     deployment = replica.deployment
+    if deployment.config.get("draft_model"):
+        return  # two models' memory: not evidence about either one's estimate (the ladder still counts it)
     try:
         shape = read_model(deployment.model_path)
         config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config))

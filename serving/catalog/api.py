@@ -41,8 +41,9 @@ class ModelEntrySerializer(serializers.ModelSerializer):
         model = ModelEntry
         fields = ["public_id", "name", "aliases", "description", "task", "owner", "source_kind", "source_repo",
                   "source_revision", "source_path", "source_package", "format", "quantisation", "architecture",
-                  "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class", "pinned",
-                  "fallbacks", "fingerprint", "measured_tokens_per_second", "files", "created_at", "updated_at"]
+                  "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class",
+                  "pinned", "fallbacks", "draft", "fingerprint", "measured_tokens_per_second", "files", "created_at",
+                  "updated_at"]
 
     def get_measured_tokens_per_second(self, entry) -> dict[str, float]:
         speeds = self.context.get("speeds")
@@ -64,6 +65,13 @@ class ModelPlacementSerializer(serializers.Serializer):
                   "(opportunistic when on demand, else standard).")
     idle_timeout_seconds = serializers.IntegerField(
         required=False, allow_null=True, help_text="An on-demand replica idle this long is stopped; null: the default.")
+    fallbacks = serializers.ListField(
+        child=serializers.CharField(), required=False,
+        help_text="Catalog models that answer in its place while it has no ready replica, and the recovery ladder's "
+                  "smaller model after it runs out of memory.")
+    draft = serializers.CharField(
+        required=False, allow_blank=True, help_text="A catalog model that drafts tokens for it (speculative "
+                                                    "decoding) in the same engine; empty: none.")
     pinned = serializers.BooleanField(required=False, help_text="Always resident, even at minimum 0; its replicas "
                                                                 "are never evicted or preempted.")
     owner = serializers.CharField(

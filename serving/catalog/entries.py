@@ -25,7 +25,7 @@ DEFAULT_CONTEXT = profiles.DEFAULT_CONTEXT
 VLLM_DEFAULT_PARALLEL = 16  # a new vLLM profile's max_num_seqs: the estimate holds KV for this many full sequences
 ENTRY_FIELDS = ("name", "aliases", "description", "task", "source_kind", "source_repo", "source_revision",
                 "source_path", "source_package", "format", "quantisation", "architecture", "profiles", "scaling_min",
-                "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks", "pinned")
+                "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks", "draft", "pinned")
 
 
 def suggest_name(repo: str) -> str:
@@ -45,7 +45,7 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
     defaults = {"aliases": [], "description": "", "task": "chat", "source_repo": "", "source_revision": "",
                 "source_path": "", "source_package": "", "quantisation": "", "architecture": "", "scaling_min": 0,
                 "scaling_max": 1, "idle_timeout_seconds": None, "service_class": "", "fallbacks": [],
-                "pinned": False}
+                "draft": "", "pinned": False}
     merged = {**defaults, **(as_fields(entry) if entry else {}), **fields}
     validation.require_valid(merged)
     clash = ModelEntry.objects.filter(name=merged["name"]).exclude(pk=entry.pk if entry else None).first()
@@ -306,6 +306,20 @@ def nodes_holding(paths: list[str]) -> dict[str, list[str]]:
     return {path: sorted(names) for path, names in held.items()}
 
 
+def draft_path(entry: ModelEntry, engine: str) -> Path:
+    """The file (or folder) of the entry's draft model that ``engine`` loads beside it: the draft's
+    first profile for that engine. Refused when the draft is not in the catalog or has none."""
+    draft = ModelEntry.objects.filter(name=entry.draft).first()
+    if draft is None:
+        raise NotServable(f"{entry.name}'s draft model {entry.draft} is not in the catalog.",
+                          details={"draft": entry.draft})
+    profile = next((p for p in draft.profiles if profiles.engine(p) == engine), None)
+    if profile is None:
+        raise NotServable(f"{entry.name}'s draft model {draft.name} has no {engine} profile.",
+                          details={"draft": draft.name, "engine": engine})
+    return served_path(draft, profile.get("name"))
+
+
 def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accelerator=None, another_replica=False,
                    level: int = 0, serves_as: str | None = None, waits_for: tuple[str, ...] = (), shards=()):
     """How one replica of a catalog model is deployed on ``node``: its profile's file and settings,
@@ -321,6 +335,8 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
     chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None) or {}
     kind, path = profiles.engine(chosen), served_path(entry, chosen.get("name"))
     config = profiles.engine_config(chosen)
+    if entry.draft:
+        config["draft_model"] = str(draft_path(entry, kind))
     if level >= 1:
         from scheduler.estimation.reading import read_model
 

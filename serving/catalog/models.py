@@ -61,7 +61,12 @@ class ModelEntry(models.Model):
         help_text="An on-demand replica idle this long is stopped. Empty: the default (15 minutes).")
     service_class = models.CharField(max_length=16, choices=ServiceClass.choices, default=ServiceClass.AUTOMATIC,
                                      blank=True, help_text="Empty: opportunistic when on demand, else standard.")
-    fallbacks = models.JSONField(default=list, blank=True)
+    fallbacks = models.JSONField(default=list, blank=True,
+                                 help_text="Models that serve in its place: while it has no ready replica, and as "
+                                           "the recovery ladder's smaller model after running out of memory.")
+    draft = models.CharField(max_length=200, blank=True,
+                             help_text="A catalog model that drafts tokens for this one (speculative decoding), "
+                                       "loaded in the same engine.")
     pinned = models.BooleanField(default=False, help_text="Always resident, even at minimum 0; its replicas are "
                                                           "never evicted or preempted.")
     fingerprint = models.CharField(max_length=16, blank=True, db_index=True)

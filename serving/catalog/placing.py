@@ -1,5 +1,6 @@
 """A catalog model's placement as a person changes it: always running (the minimum), at most under
-load (the maximum), capacity class, idle timeout, pinned (always resident, never evicted) and owner.
+load (the maximum), capacity class, idle timeout, pinned (always resident, never evicted), the
+models that stand in for it (fallbacks), the model that drafts for it (speculative decoding) and owner.
 
 The console card and the API's PATCH both call ``change``, so one set of rules holds for both:
 
@@ -7,6 +8,7 @@ The console card and the API's PATCH both call ``change``, so one set of rules h
 * moving it to another owner takes the same on the new one; making it shared, an administrator;
 * the entry is checked whole (``validation``: max ≥ min, a known class or automatic, a timeout of
   at least a second or the default);
+* fallbacks and the draft name models the catalog holds;
 * a raised minimum must be one placement can meet (``room.check_scaling`` says why not); a pinned
   model wants at least one replica.
 
@@ -23,7 +25,7 @@ from django.db import transaction
 
 from berth.errors import BerthError, InvalidInput
 from serving.catalog import entries, room, validation
-from serving.catalog.errors import ScalingRefused
+from serving.catalog.errors import InvalidModelEntry, ScalingRefused
 from serving.catalog.models import ModelEntry
 from tenancy import access, audit
 from tenancy.audit import Actor
@@ -31,9 +33,10 @@ from tenancy.errors import Forbidden
 from tenancy.models import Scope
 from tenancy.services.tree import resolve_scope
 
-FIELDS = ("scaling_min", "scaling_max", "service_class", "idle_timeout_seconds", "pinned")
+FIELDS = ("scaling_min", "scaling_max", "service_class", "idle_timeout_seconds", "pinned", "fallbacks", "draft")
 LABELS = {"scaling_min": "Always running", "scaling_max": "At most under load", "service_class": "Capacity class",
-          "idle_timeout_seconds": "Idle timeout", "pinned": "Pinned", "owner": "Owner"}
+          "idle_timeout_seconds": "Idle timeout", "pinned": "Pinned", "fallbacks": "Fallbacks", "draft": "Draft model",
+          "owner": "Owner"}
 
 
 class _Keep:
@@ -108,6 +111,17 @@ def _require_owner(actor: Actor, entry: ModelEntry, owner: Scope | None) -> None
                           "owner")
 
 
+def _require_known(values: dict[str, Any]) -> None:
+    """Fallbacks and the draft must name models the catalog holds (a typo is refused, not kept)."""
+    named = [(field, name) for field in ("fallbacks", "draft") if field in values
+             for name in ([values[field]] if field == "draft" else values[field]) if name]
+    known = set(ModelEntry.objects.filter(name__in=[name for _, name in named]).values_list("name", flat=True))
+    problems = [{"field": field, "message": f"No model named {name} in the catalog."}
+                for field, name in named if name not in known]
+    if problems:
+        raise InvalidModelEntry("; ".join(p["message"] for p in problems), details={"problems": problems})
+
+
 def change(actor: Actor, entry: ModelEntry, values: dict[str, Any], *, owner: Any = KEEP) -> ModelEntry:
     """Change the placement fields in ``values`` (any of ``FIELDS``) and, unless ``KEEP``, the owner.
 
@@ -121,6 +135,7 @@ def change(actor: Actor, entry: ModelEntry, values: dict[str, Any], *, owner: An
     moving = owner is not KEEP and owner != entry.owner
     merged = {**entries.as_fields(entry), **values}
     validation.require_valid(merged)
+    _require_known(values)
     if moving:
         _require_owner(actor, entry, owner)
     before = {field: getattr(entry, field) for field in FIELDS}

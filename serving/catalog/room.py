@@ -112,15 +112,16 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
     """The entry as the policy's model, wanting no replica of its own (so the dry run counts only
     what comes on top of what already runs: running replicas are in the snapshot as reservations).
     ``speeds``: measured tokens/s per (model, profile), read for this entry when not given."""
-    from scheduler.policy.inputs import DesiredModel, Profile, Scaling
+    from scheduler.policy.inputs import DesiredModel, Draft, Profile, Scaling
 
     speeds = speed.measured([entry.name]) if speeds is None else speeds
 
-    ways = []
+    ways, servable = [], []
     for index, p in enumerate(entry.profiles or []):
         size = _profile_bytes(entry, p)
         if size is None:
             continue
+        servable.append(p)
         engine = profiles.engine(p)
         gpus = int(p.get("gpus", 1 if engine == "vllm" else 0))
         name = p.get("name") or f"profile-{index}"
@@ -128,9 +129,31 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
                             priority=int(p.get("priority") or 0), tokens_per_s=speeds.get((entry.name, name))))
     if not ways:
         return None
+    draft = None
+    if entry.draft:
+        added = _draft_bytes(entry, servable[0])  # the policy holds one draft figure per model
+        if added is None:
+            return None  # what it must load beside it cannot be served: it cannot be placed either
+        draft = Draft(entry.draft, added)
     return DesiredModel(entry.name, tuple(ways), Scaling(min=0, max=entry.scaling_max),
                         capacity_class=entry.service_class, owner=entry.owner.path if entry.owner else "",
-                        fingerprint=entry.fingerprint)
+                        fingerprint=entry.fingerprint, draft=draft)
+
+
+def _draft_bytes(entry: ModelEntry, profile: dict) -> int | None:
+    """What the entry's draft model adds to one replica of ``profile`` (the same engine, context and
+    slots), or None when the draft cannot be served."""
+    from scheduler import memory
+
+    engine = profiles.engine(profile)
+    try:
+        result = memory.estimate_and_fit(entries.served_path(entry, profile.get("name")), engine,
+                                         profiles.estimate_config(profile), check_root=False,
+                                         draft_path=entries.draft_path(entry, engine))
+    except BerthError as error:
+        log.warning("%s cannot be placed with its draft: %s", entry.name, error.message)
+        return None
+    return int(result.estimate.inputs["draft"]["bytes"])
 
 
 def room_for_more(entry: ModelEntry, *, record: bool = False) -> Room:

@@ -97,8 +97,13 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
         problem("service_class", f"One of {named}, or empty for automatic (not {service_class!r}).")
     if not isinstance(entry.get("pinned", False), bool):
         problem("pinned", f"True or false (not {entry.get('pinned')!r}).")
+    draft = entry.get("draft") or ""
+    if not isinstance(draft, str) or (draft and not NAME.fullmatch(draft)):
+        problem("draft", "A model name, or empty for none.")
+    elif draft and draft == name:
+        problem("draft", "A model cannot draft for itself.")
     fallbacks = entry.get("fallbacks") or []
-    if not isinstance(fallbacks, list) or any(not isinstance(f, str) for f in fallbacks):
+    if not isinstance(fallbacks, list) or any(not isinstance(f, str) or not NAME.fullmatch(f) for f in fallbacks):
         problem("fallbacks", "A list of model names.")
     elif name in fallbacks:
         problem("fallbacks", "A model cannot fall back to itself.")
@@ -118,7 +123,10 @@ def require_valid(entry: dict[str, Any]) -> None:
 
 
 def fingerprint(entry: dict[str, Any]) -> str:
-    """First 8 bytes (hex) of SHA-256 over the source and profiles: what identifies a definition."""
+    """First 8 bytes (hex) of SHA-256 over the source, profiles and draft: what identifies a definition."""
     keys = ("source_kind", "source_repo", "source_revision", "source_path", "source_package", "format", "profiles")
-    canonical = json.dumps({k: entry.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+    # The draft runs in the same engine: a part of the definition (counted only when set, so entries
+    # without one keep the fingerprints they had).
+    canonical = json.dumps({k: entry.get(k) for k in keys} | ({"draft": entry["draft"]} if entry.get("draft") else {}),
+                           sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

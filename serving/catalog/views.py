@@ -132,6 +132,8 @@ class ModelCardView(LoginRequiredMixin, PageView):
             changes["idle_timeout_seconds"] = None  # blank: the default
         if "pinned" in changes:  # a hidden "off" comes before the checkbox: the last value sent wins
             changes["pinned"] = {"on": True, "off": False}.get(changes["pinned"], changes["pinned"])
+        if "fallbacks" in changes:  # typed as names between commas
+            changes["fallbacks"] = [name.strip() for name in changes["fallbacks"].split(",") if name.strip()]
         try:
             owner = placing.resolve_owner(request.user, values["owner"]) if "owner" in request.POST else placing.KEEP
             entry = placing.change(Actor.from_request(request), entry, changes, owner=owner)
@@ -163,7 +165,8 @@ def placement_values(entry: ModelEntry) -> dict[str, str]:
     return {"scaling_min": str(entry.scaling_min), "scaling_max": str(entry.scaling_max),
             "service_class": entry.service_class,
             "idle_timeout_seconds": "" if entry.idle_timeout_seconds is None else str(entry.idle_timeout_seconds),
-            "pinned": "on" if entry.pinned else "off", "owner": str(entry.owner.public_id) if entry.owner else ""}
+            "pinned": "on" if entry.pinned else "off", "fallbacks": ", ".join(entry.fallbacks or []),
+            "draft": entry.draft, "owner": str(entry.owner.public_id) if entry.owner else ""}
 
 
 def describe_placement(entry: ModelEntry) -> str:
@@ -172,8 +175,10 @@ def describe_placement(entry: ModelEntry) -> str:
     kind = f"automatic ({entry.effective_class})" if not entry.service_class else entry.service_class
     idle = f"{entry.idle_timeout_seconds} s" if entry.idle_timeout_seconds else "the default"
     owner = entry.owner.written if entry.owner else "shared"
+    stand_ins = f", falls back to {', '.join(entry.fallbacks)}" if entry.fallbacks else ""
+    draft = f", drafted by {entry.draft}" if entry.draft else ""
     return (f"at least {entry.scaling_min}, at most {entry.scaling_max} replicas, class {kind}, "
-            f"idle timeout {idle}, {'pinned' if entry.pinned else 'not pinned'}, owner {owner}")
+            f"idle timeout {idle}, {'pinned' if entry.pinned else 'not pinned'}{stand_ins}{draft}, owner {owner}")
 
 
 class ExploreView(LoginRequiredMixin, View):

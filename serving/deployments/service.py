@@ -84,6 +84,8 @@ def _validate(request: DeployRequest) -> dict[str, Any]:
         raise InvalidDeployment("The deployment is invalid.", details=problems)
     config = engine_for(request.engine).validate_config(dict(request.config))
     memory.allowed_model_path(request.model_path)
+    if config.get("draft_model"):
+        memory.allowed_model_path(config["draft_model"])  # under the model roots, like the model itself
     return config
 
 
@@ -105,7 +107,7 @@ def residents(node: Node) -> list:
 def _estimate(request: DeployRequest, config: dict[str, Any], residents=()) -> memory.EstimateResult:
     return memory.estimate_and_fit(request.model_path, request.engine, estimation_config(request.engine, config),
                                    node=request.node, accelerator=request.accelerator, residents=residents,
-                                   priority=request.priority)
+                                   priority=request.priority, draft_path=config.get("draft_model"))
 
 
 def deploy(actor: Actor, request: DeployRequest) -> Deployment:

@@ -34,6 +34,11 @@ OPTIONS: dict[str, Option] = {
     "flash_attn": Option(str, default=None, choices=("on", "off", "auto"), help="-fa"),
     "batch_size": Option(int, default=None, minimum=1, maximum=1 << 16, help="-b: logical batch size"),
     "ubatch_size": Option(int, default=None, minimum=1, maximum=1 << 16, help="-ub: physical batch size"),
+    "draft_model": Option(str, default=None, pattern=r"/.+\.gguf",
+                          help="-md: a GGUF draft model for speculative decoding (the same vocabulary); it shares "
+                               "the context and the GPU offload of the model"),
+    "draft_max": Option(int, default=None, minimum=1, maximum=64,
+                        help="--spec-draft-n-max: tokens drafted per step (with draft_model)"),
 }
 
 EXTRA_FLAGS: dict[str, Flag] = {
@@ -134,6 +139,10 @@ class LlamaCpp:
             argv += ["--embeddings", "--pooling", config["pooling"] or "mean"]
         if config["reranking"]:
             argv.append("--reranking")
+        if config["draft_model"]:
+            argv += ["-md", config["draft_model"], "-ngld", gpu_layers]
+            if config["draft_max"]:
+                argv += ["--spec-draft-n-max", str(config["draft_max"])]
         for key, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv"), ("flash_attn", "-fa"),
                           ("batch_size", "-b"), ("ubatch_size", "-ub")):
             if config[key] is not None:
@@ -172,5 +181,10 @@ def _cross_checks(config: dict[str, Any], problems: list[Problem]) -> None:
         problems.append({"field": "reranking", "message": "cannot be combined with embeddings (a reranker pools by rank)"})
     if config["batch_size"] and config["ubatch_size"] and config["ubatch_size"] > config["batch_size"]:
         problems.append({"field": "ubatch_size", "message": "must not exceed batch_size"})
+    if config["draft_max"] and not config["draft_model"]:
+        problems.append({"field": "draft_max", "message": "applies only with a draft_model"})
+    if config["draft_model"] and (config["embeddings"] or config["reranking"]):
+        problems.append({"field": "draft_model", "message": "speculative decoding is for generation, not embeddings "
+                                                            "or reranking"})
     if config["context"] and config["parallel"] and config["context"] < config["parallel"] * 16:
         problems.append({"field": "context", "message": "leaves fewer than 16 tokens per parallel slot"})

@@ -12,6 +12,7 @@ them only with ``VLLM_SERVER_DEV_MODE=1``, which the command sets when sleep mod
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +39,11 @@ OPTIONS: dict[str, Option] = {
     "kv_cache_dtype": Option(str, default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     "quantization": Option(str, default=None, choices=("awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors")),
     "enforce_eager": Option(bool, default=False, help="--enforce-eager (no CUDA graphs: less memory, slower)"),
+    "draft_model": Option(str, default=None, pattern=r"/.+",
+                          help="--speculative-config's model: a smaller model of the same vocabulary that drafts "
+                               "tokens for this one (a folder)"),
+    "draft_max": Option(int, default=None, minimum=1, maximum=64,
+                        help="--speculative-config's num_speculative_tokens (default 5; with draft_model)"),
     "cpu_offload_gb": Option(float, default=None, minimum=0, maximum=4096,
                              help="--cpu-offload-gb: GiB of each GPU's weights kept in host memory (slower; "
                                   "the recovery ladder's degraded relaunch uses it)"),
@@ -116,6 +122,9 @@ class VLLM:
                           ("quantization", "--quantization")):
             if config[key] is not None:
                 argv += [flag, config[key]]
+        if config["draft_model"]:
+            speculative = {"model": config["draft_model"], "num_speculative_tokens": config["draft_max"] or 5}
+            argv += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
         if config["cpu_offload_gb"]:
             argv += ["--cpu-offload-gb", f"{config['cpu_offload_gb']:g}"]
         if config["enforce_eager"]:
@@ -146,6 +155,8 @@ class VLLM:
 def _cross_checks(config: dict[str, Any], problems: list[Problem]) -> None:
     if config.get("enforce_eager") and "--enforce-eager" in (config.get("extra_flags") or []):
         problems.append({"field": "extra_flags", "message": "--enforce-eager is set by enforce_eager"})
+    if config.get("draft_max") and not config.get("draft_model"):
+        problems.append({"field": "draft_max", "message": "applies only with a draft_model"})
 
 
 def _setting(name: str, default: str) -> str:

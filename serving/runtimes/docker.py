@@ -99,7 +99,9 @@ class DockerRuntime:
 
         labels = {**spec.labels, MANAGED_LABEL: "true", REPLICA_LABEL: spec.replica_id}
         labels.setdefault(DEPLOYMENT_LABEL, "")
-        mounts = [Mount(target=d, source=d, type="bind", read_only=True) for d in self._model_dirs(spec.model_path)]
+        models = [spec.model_path] + ([spec.config["draft_model"]] if spec.config.get("draft_model") else [])
+        mounts = [Mount(target=d, source=d, type="bind", read_only=True)
+                  for d in dict.fromkeys(d for path in models for d in self._model_dirs(path))]
         options = {}
         if spec.memory_limit_bytes:
             options["mem_limit"] = spec.memory_limit_bytes

@@ -267,3 +267,55 @@ def test_a_pin_placement_cannot_meet_is_refused_naming_the_field(client, admin_u
     held.refresh_from_db()
     assert not held.pinned
 
+
+# --- fallbacks and the draft: models the catalog holds ------------------------------------------
+
+@pytest.fixture
+def small(mirror_root, tiny_model, tmp_path):
+    """A second catalog model (the same tiny GGUF: the same vocabulary, as a draft needs)."""
+    import shutil
+
+    return entries.import_local(ADMIN, shutil.copy(tiny_model, tmp_path / "small.gguf"), name="tiny-small")
+
+
+def test_fallbacks_and_a_draft_are_set_on_the_card_and_by_the_api(client, admin_user, held, small, two_fit):
+    client.force_login(admin_user)
+    form = {"scaling_min": "0", "scaling_max": "1", "service_class": "", "idle_timeout_seconds": "", "owner": "",
+            "fallbacks": " tiny-small , ", "draft": "tiny-small"}
+    saved = client.post(card(held), form, follow=True)
+    assert b"falls back to tiny-small, drafted by tiny-small" in saved.content
+    held.refresh_from_db()
+    assert (held.fallbacks, held.draft) == (["tiny-small"], "tiny-small")
+    changes = AuditEvent.objects.get(action="catalog.model.placement").details["changes"]
+    assert changes["fallbacks"] == {"from": [], "to": ["tiny-small"]} and changes["draft"]["to"] == "tiny-small"
+    page = client.get(card(held)).content.decode()
+    assert 'name="fallbacks" value="tiny-small"' in page and 'name="draft" value="tiny-small"' in page
+    body = patch(client, held, {"fallbacks": [], "draft": ""}).json()
+    assert (body["fallbacks"], body["draft"]) == ([], "")
+
+
+def test_a_draft_changes_the_fingerprint_and_fallbacks_do_not(admin_user, held, small):
+    from serving.catalog import placing
+
+    before = held.fingerprint
+    held = placing.change(ADMIN, held, {"fallbacks": ["tiny-small"]})
+    assert held.fingerprint == before  # what stands in for it is not what it is
+    held = placing.change(ADMIN, held, {"draft": "tiny-small"})
+    assert held.fingerprint != before  # what runs in its engine is
+
+
+def test_names_the_catalog_does_not_hold_are_refused_naming_the_field(client, admin_user, held, small):
+    client.force_login(admin_user)
+    refused = patch(client, held, {"fallbacks": ["tiny-small", "no-such-model"], "draft": "nor-this"})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "invalid_model_entry"
+    assert {(p["field"], p["message"]) for p in error["details"]["problems"]} == {
+        ("fallbacks", "No model named no-such-model in the catalog."), ("draft", "No model named nor-this in the catalog.")}
+    itself = patch(client, held, {"draft": "tiny-held"}).json()["error"]
+    assert itself["details"]["problems"] == [{"field": "draft", "message": "A model cannot draft for itself."}]
+    page = client.post(card(held), {"fallbacks": "tiny-held", "owner": ""}).content.decode()
+    assert "A model cannot fall back to itself." in page and 'data-field="fallbacks"' in page
+    held.refresh_from_db()
+    assert (held.fallbacks, held.draft) == ([], "")
+

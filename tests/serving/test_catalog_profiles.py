@@ -114,3 +114,36 @@ def test_an_unreadable_vllm_folder_is_not_servable_and_says_why(tmp_path):
     (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     verdict = servability.check(folder, profile={"engine": "vllm", "context": 4096})
     assert not verdict.servable and verdict.reason and verdict.estimate is None
+
+
+def test_a_draft_rides_in_the_deploy_request_and_in_the_policys_model(tmp_path, settings, tiny_model):
+    import shutil
+
+    from scheduler import memory
+    from serving.catalog import placing
+
+    settings.SCHEDULER_MODEL_ROOTS = [tmp_path.resolve()]
+    node = register_node(NodeReport(name="cpu-01", address="127.0.0.1", cpu_count=8, memory_total_bytes=64 * GIB,
+                                    memory_available_bytes=60 * GIB, engines=(EngineReport(kind="llamacpp", version="b1"),)))
+    main = import_local(ACTOR, shutil.copy(tiny_model, tmp_path / "main.gguf"), name="main")
+    small = import_local(ACTOR, shutil.copy(tiny_model, tmp_path / "small.gguf"), name="small")
+    alone = room.desired_model(main)
+    assert alone.draft is None
+    main = placing.change(ACTOR, main, {"draft": "small"})
+    request = deploy_request(main, node)
+    assert request.config["draft_model"] == str(servability_path(small))
+    drafted = room.desired_model(main)
+    added = memory.estimate_and_fit(servability_path(main), "llamacpp", profiles.estimate_config(main.profiles[0]),
+                                    draft_path=servability_path(small), check_root=False).estimate.inputs["draft"]["bytes"]
+    assert drafted.draft.model == "small" and drafted.draft.memory_bytes == added > 0
+    assert drafted.profiles == alone.profiles  # the model's own figure; the draft's comes on top, as its own
+    ModelEntry.objects.filter(pk=small.pk).delete()
+    main.refresh_from_db()
+    assert room.desired_model(main) is None  # what it must load beside it is gone: it cannot be placed
+
+
+def servability_path(entry):
+    from serving.catalog.entries import served_path
+
+    return served_path(entry)
+

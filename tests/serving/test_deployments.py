@@ -62,6 +62,37 @@ def test_deploy_becomes_ready_and_serves_a_real_completion(agent, model_root, ti
     assert transitions == ["starting", "loading", "ready"]
 
 
+def test_a_draft_model_is_reserved_and_loaded_beside_the_model(agent, model_root, tiny_model):
+    from scheduler import memory
+
+    model = Path(shutil.copy(tiny_model, model_root / "tiny.gguf"))
+    draft = Path(shutil.copy(tiny_model, model_root / "tiny-draft.gguf"))  # the same vocabulary, by construction
+    alone = memory.estimate_and_fit(model, "llamacpp", {"ctx_size": 256}).estimate
+    deployment = deploy("drafted", model, draft_model=str(draft), draft_max=4)
+    both = deployment.estimate
+    assert [p["name"] for p in both["parts"]][-1] == "draft" and both["inputs"]["draft"]["bytes"] > 0
+    assert deployment.memory_reserved_bytes == alone.total_bytes + both["inputs"]["draft"]["bytes"]
+    wait_until(lambda: state_of(deployment) in ("ready", "failed"), 120, what="the deployment settled")
+    assert deployment.state == "ready", list(deployment.events.values_list("message", "log_tail"))
+    replica = deployment.replica_set.get()
+    argv = Path(f"/proc/{replica.handle['pid']}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"-md") + 1] == str(draft).encode()
+    response = httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {replica_key(replica.public_id)}"},
+                          json={"prompt": "hello", "max_tokens": 6, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 6
+    outside = deploy_refused("outside", model, draft_model="/etc/hosts.gguf")
+    assert outside.code == "model_outside_roots"
+
+
+def deploy_refused(name: str, model: Path, **config):
+    from berth.errors import BerthError
+
+    with pytest.raises(BerthError) as refused:
+        deploy(name, model, **config)
+    return refused.value
+
+
 def test_corrupt_model_fails_and_keeps_the_log_tail(agent, model_root, tiny_model):
     model = model_root / "corrupt.gguf"
     data = tiny_model.read_bytes()

@@ -103,6 +103,26 @@ def test_optional_settings_map_to_their_flags(engine, launch_spec):
     assert "--no-warmup" in argv
 
 
+def test_a_draft_model_rides_with_the_same_gpu_offload(engine, launch_spec):
+    on_gpu = engine.command(launch_spec("/m.gguf", config={"draft_model": "/models/d.gguf", "draft_max": 8},
+                                        gpu_uuids=("GPU-1",))).argv
+    assert flag_value(on_gpu, "-md") == "/models/d.gguf" and flag_value(on_gpu, "--spec-draft-n-max") == "8"
+    assert flag_value(on_gpu, "-ngld") == flag_value(on_gpu, "--n-gpu-layers")
+    on_cpu = engine.command(launch_spec("/m.gguf", config={"draft_model": "/models/d.gguf"})).argv
+    assert flag_value(on_cpu, "-ngld") == "0" and "--spec-draft-n-max" not in on_cpu
+    assert "-md" not in engine.command(launch_spec("/m.gguf")).argv
+    with pytest.raises(InvalidEngineConfig) as caught:
+        engine.validate_config({"draft_max": 4, "embeddings": True, "draft_model": "relative.gguf"})
+    fields = {p["field"] for p in caught.value.details["problems"]}
+    assert fields == {"draft_model", "draft_max"}  # not an absolute .gguf path, so draft_max has no model
+    with pytest.raises(InvalidEngineConfig) as caught:
+        engine.validate_config({"draft_max": 4})
+    assert [p["field"] for p in caught.value.details["problems"]] == ["draft_max"]
+    with pytest.raises(InvalidEngineConfig) as caught:
+        engine.validate_config({"draft_model": "/models/d.gguf", "embeddings": True})
+    assert [p["field"] for p in caught.value.details["problems"]] == ["draft_model"]
+
+
 def test_invalid_configuration_lists_every_problem(engine):
     with pytest.raises(InvalidEngineConfig) as caught:
         engine.validate_config({"context": "big", "parallel": 0, "cache_type_k": "q2_k", "flash_attn": True,

@@ -184,3 +184,16 @@ def test_an_unreachable_engine_is_a_request_failure(contract):
     contract.close()
     with pytest.raises(EngineRequestFailed):
         vllm.sleep(url, "k", timeout=2)
+
+
+def test_a_draft_model_becomes_the_speculative_config(gpu_spec):
+    import json
+
+    argv = VLLM().command(gpu_spec(config={"draft_model": "/models/Qwen2.5-0.5B-Instruct", "draft_max": 4})).argv
+    assert json.loads(flag_value(argv, "--speculative-config")) == {"model": "/models/Qwen2.5-0.5B-Instruct",
+                                                                   "num_speculative_tokens": 4}
+    assert "--speculative-config" not in VLLM().command(gpu_spec()).argv
+    with pytest.raises(InvalidEngineConfig) as caught:
+        VLLM().validate_config({"draft_max": 4})
+    assert [p["field"] for p in caught.value.details["problems"]] == ["draft_max"]
+
