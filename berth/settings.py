@@ -298,6 +298,8 @@ LOGGING["loggers"]["berth.gateway.access"] = {"handlers": ["access"], "level": "
 SPECTACULAR_SETTINGS.setdefault("ENUM_NAME_OVERRIDES", {}).update({
     "AcceleratorKindEnum": "scheduler.models.Accelerator.Kind",
     "EngineKindEnum": "scheduler.models.NodeEngine.Kind",
+    "EngineNameEnum": "scheduler.memory.ENGINES",  # the same names without labels (estimates)
+    "DeploymentStateEnum": "serving.models.DeploymentState",
 })
 
 # Serving: catalog and mirror
