@@ -64,6 +64,13 @@ def test_schema_and_docs_are_served_locally(client, admin_user):
     assert "cdn." not in html and "jsdelivr" not in html
 
 
+def test_the_schema_generates_without_a_warning(tmp_path):
+    from django.core.management import call_command
+
+    call_command("spectacular", "--fail-on-warn", "--validate", "--file", str(tmp_path / "schema.yml"))
+    assert (tmp_path / "schema.yml").read_text().count("DeploymentStateEnum:") == 1
+
+
 def test_unknown_api_url_is_a_404_in_the_error_format(client):
     response = client.get("/api/no-such-thing/")
     assert response.status_code == 404
