@@ -280,6 +280,8 @@ GATEWAY_BREAKER_SECONDS = env.integer("BERTH_GATEWAY_BREAKER_SECONDS", 30, minim
 GATEWAY_USAGE_FLUSH_MS = env.integer("BERTH_GATEWAY_USAGE_FLUSH_MS", 1000, minimum=10)
 GATEWAY_USAGE_BATCH = env.integer("BERTH_GATEWAY_USAGE_BATCH", 500, minimum=1)
 GATEWAY_ACCESS_LOG = env.boolean("BERTH_GATEWAY_ACCESS_LOG", True)
+# /metrics answers this machine only, or anyone who sends this token as a bearer (a secret: never logged).
+GATEWAY_METRICS_TOKEN = env.string("BERTH_METRICS_TOKEN", "")
 # Where the console's playground sends its requests (this server's own /v1/ when unset).
 GATEWAY_INTERNAL_URL = env.string("BERTH_GATEWAY_INTERNAL_URL", "")
 

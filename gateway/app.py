@@ -15,6 +15,8 @@ fails → the answer, streamed as it comes → usage, log line and metrics.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
 import math
 import os
@@ -31,8 +33,9 @@ from gateway import metrics
 from gateway.auth import AuthCache, Principal
 from gateway import splits
 from gateway.errors import (ERROR_TYPES, BadRequest, EndpointNotFound, EnvironmentNotAllowed, InferenceNotAllowed,
-                            LimiterUnavailable, MethodNotAllowed, MissingKey, ModelLoading, ModelNotAllowed, ModelNotFound, NoReplica, QueueFull, TooLarge,
-                            UpstreamError, UpstreamTimeout)
+                            LimiterUnavailable, MethodNotAllowed, MetricsNotAllowed, MissingKey, ModelLoading,
+                            ModelNotAllowed, ModelNotFound, NoReplica, QueueFull, TooLarge, UpstreamError,
+                            UpstreamTimeout)
 from gateway.limits import LocalLimiter, Limiter
 from gateway.threads import run_db
 from gateway.upstream import Balancer
@@ -69,13 +72,14 @@ class Call:
     __slots__ = ("receive", "send", "method", "path", "request_id", "rid_bytes", "started", "started_wall",
                  "authorization", "content_length", "principal", "endpoint", "model_asked", "model_label",
                  "replica_id", "status", "error_code", "queue_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
-                 "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done")
+                 "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done", "peer")
 
     def __init__(self, scope, receive, send):
         self.receive = receive
         self.send = send
         self.method = scope["method"]
         self.path = scope["path"]
+        self.peer = (scope.get("client") or ("", 0))[0]
         self.started = time.perf_counter()
         self.started_wall = time.time()
         self.authorization = None
@@ -297,6 +301,7 @@ class Gateway:
                     raise MethodNotAllowed("/v1/models takes GET.")
                 await self.models(call)
             elif path == "/metrics":
+                self._allow_metrics(call)
                 await call.respond(200, metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
                 return
             else:
@@ -323,6 +328,25 @@ class Gateway:
             call.status = 500
         finally:
             self._record(call)
+
+    @staticmethod
+    def _allow_metrics(call: Call) -> None:
+        """Prometheus's page names every model and its traffic: it answers the bearer of
+        ``BERTH_METRICS_TOKEN`` or, with none set, only this machine (a loopback peer)."""
+        token = settings.GATEWAY_METRICS_TOKEN
+        if token:
+            sent = (call.authorization or b"").decode("latin-1").removeprefix("Bearer ").strip()
+            if hmac.compare_digest(sent.encode(), token.encode()):
+                return
+            raise MetricsNotAllowed("The metrics answer the bearer of the metrics token: send "
+                                    "`Authorization: Bearer <BERTH_METRICS_TOKEN>`.")
+        try:
+            if ipaddress.ip_address(call.peer).is_loopback:
+                return
+        except ValueError:
+            pass  # a Unix socket or no peer at all: not known to be this machine
+        raise MetricsNotAllowed("The metrics answer only this machine unless BERTH_METRICS_TOKEN is set: then "
+                                "send it as a bearer token.")
 
     async def _principal(self, call: Call) -> Principal:
         if call.authorization is None:

@@ -20,6 +20,12 @@ class InferenceNotAllowed(PermissionDenied):
     code = "inference_not_allowed"
 
 
+class MetricsNotAllowed(PermissionDenied):
+    """/metrics names every model and its traffic: only this machine, or the bearer of the metrics token."""
+
+    code = "metrics_not_allowed"
+
+
 class ModelNotAllowed(PermissionDenied):
     code = "model_not_allowed"
 
