@@ -32,6 +32,12 @@ def _state(entry):
     return entry.placement["state"]
 
 
+def _scaling(entry):
+    """``0–2 · opportunistic (automatic) · pinned``: what placement is asked to keep."""
+    kind = f"{entry.effective_class} (automatic)" if not entry.service_class else entry.service_class
+    return " · ".join([f"{entry.scaling_min}–{entry.scaling_max}", kind] + (["pinned"] if entry.pinned else []))
+
+
 class HeldTable(Table):
     columns = (
         Column("Model", "name", link=lambda e: reverse("serving:catalog-card", args=[e.public_id])),
@@ -42,6 +48,7 @@ class HeldTable(Table):
         Column("Replicas", _replicas),
         Column("Nodes", _nodes),
         Column("State", _state),
+        Column("Placement", _scaling),
         Column("Source", lambda e: e.source_repo or e.source_package or e.source_path),
         Column("Owner", lambda e: e.owner.written if e.owner else "shared"),
     )

@@ -23,6 +23,7 @@ def test_held_lists_each_model_on_one_line_and_opens_its_card(client, admin_user
     client.force_login(admin_user)
     page = client.get("/models/held/")
     assert page.status_code == 200 and b"tiny-held" in page.content and b"1 held" in page.content
+    assert "0–1 · opportunistic (automatic)" in page.content.decode()  # what placement is asked to keep
     card = client.get(f"/models/held/{held.public_id}/")
     assert card.status_code == 200 and b"llama" in card.content and b"Always running" in card.content
     assert not [r for r in hub.requests]  # Held never calls the hub
