@@ -319,5 +319,15 @@ CELERY_IMPORTS = [*globals().get("CELERY_IMPORTS", []), "serving.catalog.tasks"]
 # Scheduler II
 # How many placement decisions (applied plans, explain and headroom dry runs) are kept as evidence.
 SCHEDULER_DECISION_HISTORY = env.integer("BERTH_SCHEDULER_DECISION_HISTORY", 10_000, minimum=100)
+# The policy's rules an operator may tune (scheduler.snapshot.policy_settings): how long a new replica
+# is safe from preemption, how long a preempted model is held back, how many replicas one preemption
+# may stop, after how many failed launches in a row a model is parked, and how long a waiting load
+# defers to idle replicas worth more before it may push them out. `manage.py bench_policy --only
+# trace` shows what the minimum lifetime trades: fewer refusals for more cold starts.
+SCHEDULER_MIN_LIFETIME_SECONDS = env.integer("BERTH_SCHEDULER_MIN_LIFETIME_SECONDS", 300, minimum=0, maximum=86_400)
+SCHEDULER_PREEMPT_HOLD_SECONDS = env.integer("BERTH_SCHEDULER_PREEMPT_HOLD_SECONDS", 300, minimum=0, maximum=86_400)
+SCHEDULER_MAX_VICTIMS = env.integer("BERTH_SCHEDULER_MAX_VICTIMS", 3, minimum=1, maximum=16)
+SCHEDULER_PARK_AFTER = env.integer("BERTH_SCHEDULER_PARK_AFTER", 5, minimum=1, maximum=50)
+SCHEDULER_STARVED_AFTER_SECONDS = env.integer("BERTH_SCHEDULER_STARVED_AFTER_SECONDS", 30, minimum=0, maximum=3600)
 # Serving's reconcile loop names its snapshot builder here so explain and headroom see its replicas.
 SCHEDULER_SNAPSHOT_PROVIDER = env.string("BERTH_SCHEDULER_SNAPSHOT_PROVIDER", "serving.deployments.placement.snapshot")

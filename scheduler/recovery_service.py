@@ -20,6 +20,7 @@ from scheduler.errors import ModelNotParked
 from scheduler.models import RecoveryState
 from scheduler.policy import recovery
 from scheduler.policy.inputs import FailureState, Settings
+from scheduler.snapshot import policy_settings
 from tenancy import audit
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def _state(row: RecoveryState) -> FailureState:
 
 
 def note_failure(model: str, kind: str, error: str = "", fingerprint: str = "", *, fallback: bool = False,
-                 at=None, settings: Settings = Settings()) -> RecoveryState:
+                 at=None, settings: Settings | None = None) -> RecoveryState:
     """One more failed launch of ``model`` (crash / oom / hang), one step down the ladder.
     ``fallback``: whether the model has a fallback in the catalog; without one, the step that would
     fall back parks it.
@@ -44,6 +45,7 @@ def note_failure(model: str, kind: str, error: str = "", fingerprint: str = "", 
     if kind not in KINDS:
         raise ValueError(f"unknown launch failure kind {kind!r}; expected one of {', '.join(KINDS)}")
     now = at or timezone.now()
+    settings = settings or policy_settings()
     with transaction.atomic():
         row, _ = RecoveryState.objects.select_for_update().get_or_create(model=model)
         changed = bool(fingerprint and row.fingerprint and fingerprint != row.fingerprint)

@@ -27,7 +27,7 @@ from django.db.models import Prefetch
 
 from scheduler import memory
 from scheduler.models import Accelerator, ModelDirectory, Node, NodeEngine
-from scheduler.policy.inputs import AcceleratorInfo, NodeInfo, Resources, ScopeContract
+from scheduler.policy.inputs import AcceleratorInfo, NodeInfo, Resources, ScopeContract, Settings
 
 
 def _accelerator(node: Node, acc: Accelerator) -> AcceleratorInfo | None:
@@ -95,6 +95,18 @@ def reservations_as_replicas() -> tuple:
                  for holder, shards in held.items())
 
 
+def policy_settings():
+    """The policy's tunable rules as the operator set them (``BERTH_SCHEDULER_*``): every snapshot the
+    running system builds, and the recovery ladder's memory, use these."""
+    from django.conf import settings
+
+    park_after = settings.SCHEDULER_PARK_AFTER
+    return Settings(min_lifetime_s=settings.SCHEDULER_MIN_LIFETIME_SECONDS,
+                    preempt_hold_s=settings.SCHEDULER_PREEMPT_HOLD_SECONDS, max_victims=settings.SCHEDULER_MAX_VICTIMS,
+                    park_after=park_after, crash_retries=park_after - 1,
+                    starved_after_s=settings.SCHEDULER_STARVED_AFTER_SECONDS)
+
+
 def current_snapshot(models=(), *, now: float | None = None):
     """A snapshot for dry runs asked from the API or console: the inventory, the reservations and
     ``models``. When ``SCHEDULER_SNAPSHOT_PROVIDER`` names a callable (Serving sets it to its
@@ -117,4 +129,4 @@ def current_snapshot(models=(), *, now: float | None = None):
 
     return Snapshot(now=time.time() if now is None else now, nodes=inventory(), models=tuple(models),
                     replicas=reservations_as_replicas(), contracts=contracts_from_tenancy(),
-                    failures=failure_states())
+                    failures=failure_states(), settings=policy_settings())

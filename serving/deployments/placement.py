@@ -26,7 +26,7 @@ from scheduler import placement_service, recovery_service
 from scheduler.models import Accelerator, Node
 from scheduler.policy import plan as policy, recovery, scaling
 from scheduler.policy.inputs import Hold, ReplicaInfo, Scaling, Snapshot
-from scheduler.snapshot import contracts_from_tenancy, inventory, reservations_as_replicas
+from scheduler.snapshot import contracts_from_tenancy, inventory, policy_settings, reservations_as_replicas
 from serving import load, ondemand
 from serving.catalog import profiles, room, speed
 from serving.catalog.entries import deploy_request
@@ -103,7 +103,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
     others = tuple(r for r in reservations_as_replicas() if r.id.removeprefix("reservation:") not in catalog_holders)
     return Snapshot(now=now, nodes=inventory(), models=tuple(models), replicas=tuple(replicas) + others,
                     contracts=contracts_from_tenancy(), failures=recovery_service.failure_states(),
-                    holds=tuple(Hold(**h) for h in cache.get(HOLDS_KEY) or ()))
+                    holds=tuple(Hold(**h) for h in cache.get(HOLDS_KEY) or ()), settings=policy_settings())
 
 
 def scale(now: float, live: load.Load, entries, rows, *, step: bool) -> dict[str, int]:

@@ -274,3 +274,19 @@ def test_console_retry_is_post_and_staff_only(client, admin_user, member):
     response = client.post("/fleet/placement/parked/llama-8b/retry/")
     assert response.status_code == 302 and response["Location"] == "/fleet/placement/"
     assert not RecoveryState.objects.get().parked
+
+
+def test_the_operator_sets_the_policys_rules_and_every_snapshot_and_the_ladder_use_them(settings):
+    from scheduler.policy.inputs import Settings
+    from scheduler.snapshot import current_snapshot, policy_settings
+
+    assert policy_settings() == Settings()  # the defaults are the spec's: 5 min, 3 victims, parked at 5
+    settings.SCHEDULER_MIN_LIFETIME_SECONDS, settings.SCHEDULER_MAX_VICTIMS = 60, 4
+    settings.SCHEDULER_PARK_AFTER, settings.SCHEDULER_PREEMPT_HOLD_SECONDS = 2, 120
+    settings.SCHEDULER_STARVED_AFTER_SECONDS = 10
+    tuned = policy_settings()
+    assert (tuned.min_lifetime_s, tuned.max_victims, tuned.park_after, tuned.crash_retries) == (60, 4, 2, 1)
+    assert (tuned.preempt_hold_s, tuned.starved_after_s) == (120, 10)
+    assert current_snapshot().settings == tuned
+    assert not fail("crash").parked
+    assert fail("crash").parked  # the second crash in a row parks it now
