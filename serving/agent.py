@@ -239,7 +239,8 @@ def _record_oom(replica: Replica, exit: Exit) -> None:
         return  # two models' memory: not evidence about either one's estimate (the ladder still counts it)
     try:
         shape = read_model(deployment.model_path)
-        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config))
+        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config,
+                                                                           len(deployment.gpu_uuids)))
         source = "docker" if "docker" in (exit.oom_evidence or "").lower() else "kernel"
         memory.record_failure(shape, deployment.engine, _engine_version(replica), config,
                               "gpu" if deployment.gpu_uuids else "cpu",

@@ -80,9 +80,12 @@ class LlamaCppConfig:
     n_gpu_layers: int = 0  # 0: CPU only; -1 or more than the layers: everything on the GPU
     ubatch_size: int = 512
     flash_attention: bool = True
+    split_gpus: int = 1  # GPUs the offloaded layers are split over (llama.cpp's default --split-mode layer)
 
     def validate(self) -> None:
         problems = {}
+        if not 1 <= self.split_gpus <= 16:
+            problems["split_gpus"] = "Must be between 1 and 16."
         if self.ctx_size is not None and not 1 <= self.ctx_size <= 10_000_000:
             problems["ctx_size"] = "Must be between 1 and 10,000,000 tokens."
         if not 1 <= self.parallel <= 1024:
@@ -101,7 +104,8 @@ class LlamaCppConfig:
         """The configuration that matters for memory, with defaults resolved."""
         return {"ctx_size": _llamacpp_context(shape, self), "parallel": self.parallel,
                 "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
-                "n_gpu_layers": _offloaded_layers(shape, self.n_gpu_layers), "ubatch_size": self.ubatch_size}
+                "n_gpu_layers": _offloaded_layers(shape, self.n_gpu_layers), "ubatch_size": self.ubatch_size,
+                "split_gpus": self.split_gpus}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,20 +209,33 @@ def estimate_llamacpp(shape: ModelShape, config: LlamaCppConfig = LlamaCppConfig
         return Estimate(engine="llamacpp", device="cpu", weights_bytes=weights, kv_cache_bytes=kv, compute_bytes=0,
                         overhead_bytes=host_overhead, total_bytes=total, host_bytes=0, kv_bytes_per_token=per_token,
                         context_tokens=context, parts=parts, inputs=inputs)
-    gpu_weights = sum(shape.layer_weights_bytes[i] for i in gpu_layers)
+    all_gpu_weights = sum(shape.layer_weights_bytes[i] for i in gpu_layers)
     if offloaded > shape.layers:
-        gpu_weights += shape.output_weights_bytes
-    gpu_kv = round(sum(per_layer_token[i] for i in gpu_layers) * context)
-    cpu_weights = shape.weights_bytes - gpu_weights
-    cpu_kv = round(per_token * context) - gpu_kv
+        all_gpu_weights += shape.output_weights_bytes
+    all_gpu_kv = round(sum(per_layer_token[i] for i in gpu_layers) * context)
+    cpu_weights = shape.weights_bytes - all_gpu_weights
+    cpu_kv = round(per_token * context) - all_gpu_kv
+    # Split over several GPUs (llama.cpp's default --split-mode layer), the offloaded layers go in
+    # contiguous runs, one per GPU, the output head with the last; each GPU also has a compute
+    # buffer and a CUDA context of its own. The figure is the fullest GPU's: what each must hold.
+    layers_on, gpu_weights, gpu_kv = len(gpu_layers), all_gpu_weights, all_gpu_kv
+    if config.split_gpus > 1 and len(gpu_layers) > 1:
+        run = math.ceil(len(gpu_layers) / config.split_gpus)
+        runs = [list(gpu_layers)[i:i + run] for i in range(0, len(gpu_layers), run)]
+        shares = [(sum(shape.layer_weights_bytes[i] for i in part)
+                   + (shape.output_weights_bytes if offloaded > shape.layers and part is runs[-1] else 0),
+                   round(sum(per_layer_token[i] for i in part) * context), len(part)) for part in runs]
+        gpu_weights, gpu_kv, layers_on = max(shares, key=lambda share: share[0] + share[1])
+        inputs["split_gpus"] = config.split_gpus
     total = gpu_weights + gpu_kv + compute + LLAMACPP_DEVICE_OVERHEAD
     notes = ()
     if offloaded <= shape.layers:
         notes = (f"{shape.layers - len(gpu_layers)} layer(s) stay on the CPU: slower, and they need host memory.",)
+    where = f" on the fullest of {config.split_gpus} GPUs" if layers_on < len(gpu_layers) else " on the GPU"
     parts = (
-        Part("weights", gpu_weights, f"{len(gpu_layers)} of {shape.layers} layers"
-                                     + (" and the output head" if offloaded > shape.layers else "") + " on the GPU"),
-        Part("kv_cache", gpu_kv, kv_detail + f", for the {len(gpu_layers)} offloaded layers"),
+        Part("weights", gpu_weights, f"{layers_on} of {shape.layers} layers"
+                                     + (" and the output head" if offloaded > shape.layers else "") + where),
+        Part("kv_cache", gpu_kv, kv_detail + f", for the {layers_on} offloaded layers" + where),
         Part("compute", compute, f"the graph's compute buffer for micro-batches of {config.ubatch_size} tokens"),
         Part("overhead", LLAMACPP_DEVICE_OVERHEAD, "CUDA context and cuBLAS workspace"),
     )

@@ -34,16 +34,23 @@ def engine_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
 
 
 def estimate_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
-    """The same settings in the memory estimator's names. An unset context is what the engine
-    runs: Berth starts llama.cpp at 4096 tokens, vLLM at the model's own length (the estimator's
-    default for both would be the model's)."""
+    """The same settings in the memory estimator's names, for one accelerator of the profile's
+    (``estimation_config``: llama.cpp offloads every layer to its GPUs, vLLM shards over them). An
+    unset context is what the engine runs: Berth starts llama.cpp at 4096 tokens, vLLM at the
+    model's own length (the estimator's default for both would be the model's)."""
     from serving.deployments.service import estimation_config
 
     kind = kind or engine(profile)
     config = engine_config(profile, kind)
     if kind == "llamacpp":
         config.setdefault("context", DEFAULT_CONTEXT)
-    return estimation_config(kind, config)
+    return estimation_config(kind, config, gpus(profile, kind))
+
+
+def gpus(profile: dict, kind: str | None = None) -> int:
+    """How many accelerators one replica of the profile takes (vLLM: at least one)."""
+    kind = kind or engine(profile)
+    return int(profile.get("gpus", 1 if kind == "vllm" else 0) or 0)
 
 
 def slots(profile: dict) -> int:

@@ -123,7 +123,7 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
             continue
         servable.append(p)
         engine = profiles.engine(p)
-        gpus = int(p.get("gpus", 1 if engine == "vllm" else 0))
+        gpus = profiles.gpus(p, engine)
         name = p.get("name") or f"profile-{index}"
         ways.append(Profile(name=name, engine=engine, gpus=gpus, memory_bytes=size, cpu_cores=int(p.get("cores") or 0),
                             priority=int(p.get("priority") or 0), tokens_per_s=speeds.get((entry.name, name))))

@@ -55,7 +55,10 @@ class DeployRequest:
     profile: str = ""  # the catalog profile it runs ("" when deployed by hand)
 
 
-def estimation_config(engine: str, config: dict[str, Any]) -> dict[str, Any]:
+def estimation_config(engine: str, config: dict[str, Any], gpus: int = 0) -> dict[str, Any]:
+    """An engine configuration in the estimator's names, with what the engine does by default on
+    ``gpus`` placed accelerators: llama.cpp offloads every layer and splits them over the GPUs,
+    vLLM shards the model over them (tensor parallel)."""
     names = ESTIMATION_KEYS.get(engine, {})
     translated = {}
     for key, value in config.items():
@@ -65,6 +68,12 @@ def estimation_config(engine: str, config: dict[str, Any]) -> dict[str, Any]:
             if names[key] == "flash_attention" and isinstance(value, str):
                 value = value != "off"  # "auto" may use it: estimate as if it does
             translated[names[key]] = value
+    if engine == "llamacpp" and gpus:
+        translated.setdefault("n_gpu_layers", -1)
+        if gpus > 1:
+            translated["split_gpus"] = gpus
+    if engine == "vllm" and gpus > 1:
+        translated.setdefault("tensor_parallel_size", gpus)
     return translated
 
 
@@ -105,7 +114,8 @@ def residents(node: Node) -> list:
 
 
 def _estimate(request: DeployRequest, config: dict[str, Any], residents=()) -> memory.EstimateResult:
-    return memory.estimate_and_fit(request.model_path, request.engine, estimation_config(request.engine, config),
+    gpus = len(request.shards) + 1 if request.accelerator is not None else 0
+    return memory.estimate_and_fit(request.model_path, request.engine, estimation_config(request.engine, config, gpus),
                                    node=request.node, accelerator=request.accelerator, residents=residents,
                                    priority=request.priority, draft_path=config.get("draft_model"))
 

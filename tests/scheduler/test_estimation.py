@@ -91,6 +91,22 @@ def test_offloading_puts_the_offloaded_layers_on_the_gpu_and_the_rest_on_the_hos
     assert half.host_bytes > full.host_bytes and half.notes
 
 
+def test_layers_split_over_gpus_are_estimated_for_the_fullest_gpu(gguf_model):
+    shape = gguf_header.read_shape(gguf_model(layers=8, embedding=256, heads=4, kv_heads=2))
+    one = estimate_llamacpp(shape, LlamaCppConfig(ctx_size=2048, n_gpu_layers=-1))
+    two = estimate_llamacpp(shape, LlamaCppConfig(ctx_size=2048, n_gpu_layers=-1, split_gpus=2))
+    three = estimate_llamacpp(shape, LlamaCppConfig(ctx_size=2048, n_gpu_layers=-1, split_gpus=3))
+    # Two runs of four layers; the second carries the output head too, so it is the fullest.
+    assert two.weights_bytes == sum(shape.layer_weights_bytes[4:]) + shape.output_weights_bytes
+    assert two.kv_cache_bytes == one.kv_cache_bytes // 2
+    assert two.compute_bytes == one.compute_bytes and two.overhead_bytes == one.overhead_bytes  # on each GPU
+    assert three.total_bytes < two.total_bytes < one.total_bytes
+    assert "fullest of 2 GPUs" in two.parts[0].detail and two.inputs["split_gpus"] == 2
+    assert two.host_bytes == one.host_bytes  # nothing more on the host
+    with pytest.raises(InvalidEstimateRequest):
+        estimate_llamacpp(shape, LlamaCppConfig(split_gpus=0))
+
+
 def test_gguf_header_of_a_real_model_is_read_well_within_100ms(smollm2_model):
     gguf_header._read_shape_cached.cache_clear()
     started = time.perf_counter()

@@ -147,3 +147,15 @@ def servability_path(entry):
 
     return served_path(entry)
 
+
+
+def test_a_profile_on_two_gpus_is_estimated_for_each_of_them(vllm_entry):
+    one = room.desired_model(vllm_entry).profiles[0]
+    ModelEntry.objects.filter(pk=vllm_entry.pk).update(profiles=[{**vllm_entry.profiles[0], "gpus": 2}])
+    vllm_entry.refresh_from_db()
+    two = room.desired_model(vllm_entry).profiles[0]
+    assert (one.gpus, two.gpus) == (1, 2) and two.memory_bytes < one.memory_bytes  # vLLM shards the model
+    assert profiles.estimate_config(vllm_entry.profiles[0])["tensor_parallel_size"] == 2
+    assert profiles.estimate_config({"engine": "llamacpp", "gpus": 2}) == {"ctx_size": 4096, "n_gpu_layers": -1,
+                                                                          "split_gpus": 2}
+    assert profiles.estimate_config({"engine": "llamacpp"}) == {"ctx_size": 4096}  # a CPU profile

@@ -233,6 +233,12 @@ def test_a_tensor_parallel_replica_holds_a_shard_on_each_of_its_accelerators(tmp
     shards = list(MemoryReservation.objects.filter(holder__startswith=service.holder_of(replica)).order_by("holder"))
     assert [r.holder for r in shards] == [service.holder_of(replica), service.holder_of(replica) + "#1"]
     assert len(deployment.gpu_uuids) == 2 and {r.accelerator.uuid for r in shards} == set(deployment.gpu_uuids)
+    # Each GPU holds its run of the layers (llama.cpp splits them), not the whole model.
+    from scheduler import memory
+
+    whole_on_one = memory.estimate_and_fit(deployment.model_path, "llamacpp", {"ctx_size": 256, "n_gpu_layers": -1})
+    assert deployment.estimate["device"] == "gpu" and deployment.estimate["inputs"]["split_gpus"] == 2
+    assert all(r.bytes == deployment.memory_reserved_bytes < whole_on_one.estimate.total_bytes for r in shards)
     [seen] = [r for r in placement.snapshot().replicas if r.model == "tp"]
     assert len(seen.accelerators) == 2 and not any(r.id.startswith("reservation:") for r in placement.snapshot().replicas)
     assert placement.reconcile()["launched"] == []  # a fixed point: the two shards are one replica
