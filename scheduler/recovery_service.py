@@ -84,13 +84,13 @@ def failure_states() -> dict[str, FailureState]:
 
 
 def describe(row: RecoveryState) -> dict:
-    """A row as the API and the console show it."""
+    """A row as the API and the console show it (``retriable``: a retry would reset something now)."""
     why = f"parked after {row.consecutive} failure(s) in a row: {row.last_error or row.kind}" if row.parked else ""
     since = row.parked_at if row.parked else None
     return {"model": row.model, "parked": row.parked, "kind": row.kind,
             "consecutive": row.consecutive, "level": row.level, "last_error": row.last_error,
             "last_failure_at": row.last_failure_at, "since": since, "detail": why,
-            "retried_by": row.retried_by, "retried_at": row.retried_at, "retriable": True}
+            "retried_by": row.retried_by, "retried_at": row.retried_at, "retriable": row.parked}
 
 
 def parked(limit: int = 200) -> list[dict]:

@@ -152,7 +152,8 @@ class ParkedModelSerializer(serializers.Serializer):
     detail = serializers.CharField(help_text="Why it is parked, as a person reads it.")
     retried_by = serializers.CharField(help_text="Who last retried it (an actor), if anyone.")
     retried_at = serializers.DateTimeField(allow_null=True)
-    retriable = serializers.BooleanField(help_text="False when only a decision says it is parked (nothing to reset).")
+    retriable = serializers.BooleanField(help_text="Whether a retry would reset anything now: false once reset, "
+                                                   "or when only a decision says it is parked.")
 
 
 class UnplaceableModelSerializer(serializers.Serializer):
