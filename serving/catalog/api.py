@@ -8,7 +8,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from serving.catalog import entries, fetch, hub, placing, room, servability, speed
+from serving.catalog import entries, fetch, hub, placing, profiles, room, servability, speed
 from serving.catalog.models import FetchJob, ModelEntry, ModelFile
 from serving.catalog.views import visible_jobs
 from tenancy import access
@@ -147,8 +147,7 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
     @action(detail=True, methods=["get"])
     def servability(self, request, public_id=None):
         entry = self.get_object()
-        return Response(servability.check(entries.served_path(entry),
-                                          profile=next(iter(entry.profiles or []), {})).as_dict())
+        return Response(servability.check_entry(entry).as_dict())
 
     @extend_schema(request=None, responses={200: dict})
     @action(detail=True, methods=["get"])
@@ -238,7 +237,7 @@ class ServeInputSerializer(serializers.Serializer):
     name = serializers.CharField(required=False, allow_blank=True, default="")
     owner = serializers.CharField(required=False, allow_blank=True, default="")
     node = serializers.CharField(required=False, allow_blank=True, default="")
-    context = serializers.IntegerField(required=False, min_value=1, default=entries.DEFAULT_CONTEXT)
+    context = serializers.IntegerField(required=False, min_value=1, default=profiles.DEFAULT_CONTEXT)
     on_demand = serializers.BooleanField(required=False, default=False)
 
 

@@ -21,7 +21,6 @@ from serving.catalog.models import FetchJob, ModelEntry, ModelFile
 from tenancy import access, audit
 from tenancy.audit import Actor
 
-DEFAULT_CONTEXT = profiles.DEFAULT_CONTEXT
 VLLM_DEFAULT_PARALLEL = 16  # a new vLLM profile's max_num_seqs: the estimate holds KV for this many full sequences
 ENTRY_FIELDS = ("name", "aliases", "description", "task", "source_kind", "source_repo", "source_revision",
                 "source_path", "source_package", "format", "quantisation", "architecture", "profiles", "scaling_min",
@@ -65,7 +64,7 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
     return entry
 
 
-def default_profiles(fmt: str, file: str, context: int = DEFAULT_CONTEXT) -> list[dict[str, Any]]:
+def default_profiles(fmt: str, file: str, context: int = profiles.DEFAULT_CONTEXT) -> list[dict[str, Any]]:
     if fmt == "gguf":
         return [{"name": "cpu", "engine": "llamacpp", "file": file, "context": context, "parallel": 1, "priority": 50}]
     return [{"name": "gpu", "engine": "vllm", "file": file, "context": context, "parallel": VLLM_DEFAULT_PARALLEL,
@@ -95,7 +94,7 @@ def register_fetched(job: FetchJob) -> ModelEntry:
               "architecture": _architecture(Path(file)) if fmt == "gguf" else "",
               "task": job.options.get("task") or "chat",
               "profiles": default_profiles(fmt, file if fmt == "gguf" else str(Path(file).parent),
-                                           job.options.get("context") or DEFAULT_CONTEXT),
+                                           job.options.get("context") or profiles.DEFAULT_CONTEXT),
               "scaling_min": job.options.get("scaling_min", 0), "scaling_max": job.options.get("scaling_max", 1)}
     actor = Actor(user=job.created_by, system="mirror")
     entry = save_entry(actor, fields, owner=job.owner, entry=existing)

@@ -23,6 +23,12 @@ ENGINE_KEYS = {"llamacpp": {"context": "context", "parallel": "parallel"},
 DEFAULT_SLOTS = {"llamacpp": 1, "vllm": 256}
 
 
+def first(entry) -> dict:
+    """The profile a model goes by where one is needed (its card's servability and estimate, load
+    scaling's capacity): the first; empty when it has none."""
+    return next(iter(entry.profiles or []), None) or {}
+
+
 def engine(profile: dict) -> str:
     return profile.get("engine") or "llamacpp"
 

@@ -180,8 +180,8 @@ def fit_per_node(entry: ModelEntry, per_replica: int | None = None) -> Room:
     from scheduler import memory
     from scheduler.models import Node
 
-    profile = next(iter(entry.profiles or []), None)
-    if profile is None:
+    profile = profiles.first(entry)
+    if not profile:
         return Room(more=None, note="The model has no profile.")
     try:
         path = Path(entries.served_path(entry, profile.get("name")))

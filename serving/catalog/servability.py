@@ -106,6 +106,14 @@ def check(path: str | Path, *, profile: dict | None = None, with_estimate: bool 
     return _with_estimate(verdict, path, profile or {})
 
 
+def check_entry(entry) -> Servability:
+    """``check`` for a catalog model as its first profile serves it (BerthError when it has no
+    servable file)."""
+    from serving.catalog.entries import served_path
+
+    return check(served_path(entry), profile=profiles.first(entry))
+
+
 def _with_estimate(verdict: Servability, path: Path, profile: dict) -> Servability:
     """The verdict with the estimator's figure for one replica (per GPU for vLLM); a model whose
     weights cannot be read is not servable, and the reason says why."""

@@ -11,7 +11,7 @@ import httpx
 from django.utils import timezone
 
 from berth.errors import BerthError
-from serving.catalog import entries, fetch, servability
+from serving.catalog import entries, fetch, profiles, servability
 from serving.catalog.models import FetchJob
 from tenancy.audit import Actor
 
@@ -64,12 +64,10 @@ def run(job: FetchJob) -> FetchJob:
     FetchJob.objects.filter(pk=job.pk).update(status=FetchJob.Status.RUNNING, finished_at=None)
     entry = job.model
     try:
-        path = entries.served_path(entry)
+        verdict = servability.check_entry(entry)
     except BerthError as error:
         return _fail(job, "check", error.message)
-    profile = next(iter(entry.profiles or []), {})
-    context = profile.get("context") or entries.DEFAULT_CONTEXT
-    verdict = servability.check(path, profile=profile)
+    context = profiles.first(entry).get("context") or profiles.DEFAULT_CONTEXT
     if not verdict.servable:
         return _fail(job, "check", verdict.reason)
     estimate = verdict.estimate["total_bytes"] if verdict.estimate else None

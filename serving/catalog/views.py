@@ -95,7 +95,7 @@ class ModelCardView(LoginRequiredMixin, PageView):
         entry = kwargs.get("entry") or self.entry()
         verdict = None
         try:
-            verdict = servability.check(entries.served_path(entry), profile=next(iter(entry.profiles or []), {}))
+            verdict = servability.check_entry(entry)
         except BerthError as error:
             context["not_servable"] = error.message
         files = list(entry.files.select_related("node"))
@@ -239,7 +239,7 @@ def serve_request(request, values: dict) -> FetchJob:
     if values.get("owner"):
         owner = resolve_scope(values["owner"], access.visible_to(request.user, Scope.objects.all(), ""))
     try:
-        context = int(values.get("context") or entries.DEFAULT_CONTEXT)
+        context = int(values.get("context") or profiles.DEFAULT_CONTEXT)
     except (TypeError, ValueError):
         raise InvalidInput("Context is a whole number of tokens.", details={"context": values.get("context")})
     return serve.start(Actor.from_request(request), fetch.FetchRequest(

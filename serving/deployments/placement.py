@@ -48,11 +48,6 @@ def _stamp(moment) -> float | None:
     return moment.timestamp() if moment else None
 
 
-def _slots(entry: ModelEntry) -> int:
-    """How many requests one replica takes at once, as its first profile configures it."""
-    return profiles.slots(next(iter(entry.profiles or []), None) or {})
-
-
 def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = None,
              live: load.Load | None = None, step_scaling: bool = False) -> Snapshot:
     """The policy's inputs: the catalog's models, the replicas running them, what the gateway sees
@@ -124,7 +119,7 @@ def scale(now: float, live: load.Load, entries, rows, *, step: bool) -> dict[str
                                                           waiting=live.waiting.get(entry.name, 0),
                                                           starting=len(mine) - len(ready)),
                                     base=max(entry.scaling_min, 1 if mine else 0), maximum=entry.scaling_max,
-                                    now=now, max_concurrency=_slots(entry))
+                                    now=now, max_concurrency=profiles.slots(profiles.first(entry)))
             if decision.change:
                 log.info("load scaling %s: %s", entry.name, decision.reason)
             cache.set(SCALE_KEY + entry.name, dataclasses.asdict(decision.state), None)

@@ -73,7 +73,7 @@ def test_a_vllm_entry_is_estimated_and_deploys_with_vllms_settings(vllm_entry, g
     argv = command_line(request, gpu)
     assert argv[argv.index("--max-model-len") + 1] == "4096" and argv[argv.index("--max-num-seqs") + 1] == "16"
     assert "--cpu-offload-gb" not in argv
-    assert placement._slots(vllm_entry) == 16
+    assert profiles.slots(profiles.first(vllm_entry)) == 16  # load scaling's capacity per replica
     assert profiles.slots({"engine": "vllm"}) == 256 and profiles.slots({"engine": "llamacpp"}) == 1
 
 
