@@ -72,14 +72,13 @@ class Call:
     __slots__ = ("receive", "send", "method", "path", "request_id", "rid_bytes", "started", "started_wall",
                  "authorization", "content_length", "principal", "endpoint", "model_asked", "model_label",
                  "replica_id", "status", "error_code", "queue_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
-                 "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done", "peer")
+                 "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done")
 
     def __init__(self, scope, receive, send):
         self.receive = receive
         self.send = send
         self.method = scope["method"]
         self.path = scope["path"]
-        self.peer = (scope.get("client") or ("", 0))[0]
         self.started = time.perf_counter()
         self.started_wall = time.time()
         self.authorization = None
@@ -301,7 +300,7 @@ class Gateway:
                     raise MethodNotAllowed("/v1/models takes GET.")
                 await self.models(call)
             elif path == "/metrics":
-                self._allow_metrics(call)
+                self._allow_metrics(call, scope)
                 await call.respond(200, metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
                 return
             else:
@@ -330,9 +329,10 @@ class Gateway:
             self._record(call)
 
     @staticmethod
-    def _allow_metrics(call: Call) -> None:
+    def _allow_metrics(call: Call, scope) -> None:
         """Prometheus's page names every model and its traffic: it answers the bearer of
-        ``BERTH_METRICS_TOKEN`` or, with none set, only this machine (a loopback peer)."""
+        ``BERTH_METRICS_TOKEN`` or, with none set, only this machine (a loopback peer). The peer is
+        read from ``scope`` here, not for every request."""
         token = settings.GATEWAY_METRICS_TOKEN
         if token:
             sent = (call.authorization or b"").decode("latin-1").removeprefix("Bearer ").strip()
@@ -341,7 +341,7 @@ class Gateway:
             raise MetricsNotAllowed("The metrics answer the bearer of the metrics token: send "
                                     "`Authorization: Bearer <BERTH_METRICS_TOKEN>`.")
         try:
-            if ipaddress.ip_address(call.peer).is_loopback:
+            if ipaddress.ip_address((scope.get("client") or ("", 0))[0]).is_loopback:
                 return
         except ValueError:
             pass  # a Unix socket or no peer at all: not known to be this machine
