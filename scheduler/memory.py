@@ -57,12 +57,24 @@ def engine_config(engine: str, values: dict[str, Any] | None = None):
     return config
 
 
+def draft_estimate(draft_path: str | Path, engine: str, config, accelerator: Accelerator | None = None, *,
+                   check_root: bool = True) -> tuple[Estimate, str]:
+    """The estimate of a speculative-decoding draft run with the model's ``config`` (the same
+    context, slots and GPU offload), and the draft's name. Not calibrated: calibration records are
+    per model, and a load with a draft is not one model's."""
+    shape = read_model(allowed_model_path(draft_path) if check_root else Path(draft_path))
+    return raw_estimate(shape, engine, config, accelerator), shape.name
+
+
+def draft_bytes(draft: Estimate) -> int:
+    """What a draft adds to the engine it rides in: its weights, KV cache and compute buffers on
+    the same device — not a second process overhead."""
+    return draft.weights_bytes + draft.kv_cache_bytes + draft.compute_bytes
+
+
 def with_draft(estimate: Estimate, draft: Estimate, name: str) -> Estimate:
-    """A model's estimate with its speculative-decoding draft in the same engine: the draft's
-    weights, KV cache (at the same context and slots) and compute buffers on the same device, as a
-    part of their own — not a second process overhead. The draft's figure is not calibrated
-    (calibration records are per model, and a load with a draft is not one model's)."""
-    added = draft.weights_bytes + draft.kv_cache_bytes + draft.compute_bytes
+    """A model's estimate with its draft in the same engine, the draft as a part of its own."""
+    added = draft_bytes(draft)
     part = Part("draft", added, f"draft model {name or '?'}: weights {draft.weights_bytes:,} + KV cache "
                                 f"{draft.kv_cache_bytes:,} + compute {draft.compute_bytes:,} bytes")
     return dataclasses.replace(estimate, total_bytes=estimate.total_bytes + added, parts=estimate.parts + (part,),
@@ -174,8 +186,7 @@ def estimate_and_fit(model_path: str | Path, engine: str, config_values: dict[st
             engine_version = installed.version if installed else ""
     estimate = calibrated_estimate(shape, engine, config, engine_version=engine_version, accelerator=accelerator)
     if draft_path is not None:
-        draft_shape = read_model(allowed_model_path(draft_path) if check_root else Path(draft_path))
-        estimate = with_draft(estimate, raw_estimate(draft_shape, engine, config, accelerator), draft_shape.name)
+        estimate = with_draft(estimate, *draft_estimate(draft_path, engine, config, accelerator, check_root=check_root))
     device = device_of(engine, config, accelerator)
     notes: list[str] = []
     fit = None

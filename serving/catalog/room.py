@@ -147,13 +147,12 @@ def _draft_bytes(entry: ModelEntry, profile: dict) -> int | None:
 
     engine = profiles.engine(profile)
     try:
-        result = memory.estimate_and_fit(entries.served_path(entry, profile.get("name")), engine,
-                                         profiles.estimate_config(profile), check_root=False,
-                                         draft_path=entries.draft_path(entry, engine))
+        config = memory.engine_config(engine, profiles.estimate_config(profile))
+        draft, _ = memory.draft_estimate(entries.draft_path(entry, engine), engine, config, check_root=False)
     except BerthError as error:
         log.warning("%s cannot be placed with its draft: %s", entry.name, error.message)
         return None
-    return int(result.estimate.inputs["draft"]["bytes"])
+    return memory.draft_bytes(draft)
 
 
 def room_for_more(entry: ModelEntry, *, record: bool = False) -> Room:
