@@ -54,7 +54,8 @@ class ModelEntrySerializer(serializers.ModelSerializer):
 
 class ModelPlacementSerializer(serializers.Serializer):
     """What PATCH changes: a model's placement. A field left out stays as it is; the rules (max ≥ min,
-    a minimum placement can meet, who may give the model to whom) are the catalog's."""
+    a minimum or a pin placement can meet, names the catalog holds, who may give the model to whom)
+    are the catalog's (``serving.catalog.placing``)."""
 
     scaling_min = serializers.IntegerField(required=False, help_text="Replicas always running; 0: on demand.")
     scaling_max = serializers.IntegerField(required=False,
@@ -124,8 +125,8 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
 
     @extend_schema(request=ModelPlacementSerializer, responses=ModelEntrySerializer)
     def partial_update(self, request, public_id=None):
-        """Change the minimum, maximum, capacity class, idle timeout or owner — the console card's rules:
-        a refusal names the field in ``details.problems``."""
+        """Change the minimum, maximum, capacity class, idle timeout, pin, fallbacks, draft or owner —
+        the console card's rules: a refusal names the field in ``details.problems``."""
         from serving.catalog.views import held_entries
 
         parsed = ModelPlacementSerializer(data=request.data, partial=True)
