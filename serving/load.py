@@ -81,22 +81,21 @@ def current(now: float | None = None) -> Load:
     if settings.REDIS_URL:
         client = _redis()
         try:
-            raw = {k.decode(): v for k, v in client.hgetall(KEY).items()}
-            stale = [k for k, v in raw.items() if now - _at(v) > STALE_S]
+            reports = {k.decode(): _parse(v) for k, v in client.hgetall(KEY).items()}
+            stale = [k for k, report in reports.items() if now - report["at"] > STALE_S]
             if stale:
                 client.hdel(KEY, *stale)
         finally:
             client.close()
     else:
-        raw = cache.get(KEY) or {}
-        stale = [k for k, v in raw.items() if now - _at(v) > STALE_S]
+        reports = {k: _parse(v) for k, v in (cache.get(KEY) or {}).items()}
+        stale = [k for k, report in reports.items() if now - report["at"] > STALE_S]
     in_flight: dict[str, int] = {}
     waiting: dict[str, int] = {}
     since: dict[str, float] = {}
-    for process, value in raw.items():
+    for process, report in reports.items():
         if process in stale:
             continue
-        report = json.loads(value)
         for key, count in report.get("in_flight", {}).items():
             in_flight[key] = in_flight.get(key, 0) + int(count)
         for key, count in report.get("waiting", {}).items():
@@ -106,8 +105,11 @@ def current(now: float | None = None) -> Load:
     return Load(in_flight=in_flight, waiting=waiting, waiting_since=since)
 
 
-def _at(value) -> float:
+def _parse(value) -> dict:
+    """A report as published; one that cannot be read is as old as can be (stale, dropped)."""
     try:
-        return float(json.loads(value).get("at", 0))
+        report = json.loads(value)
+        report["at"] = float(report.get("at", 0))
+        return report
     except (ValueError, TypeError, AttributeError):
-        return 0.0
+        return {"at": 0.0}
