@@ -24,6 +24,7 @@ from berth.errors import BerthError
 from scheduler import memory, recovery_service
 from scheduler.estimation.reading import read_model
 from scheduler.models import Accelerator, Node
+from scheduler.policy import recovery
 from scheduler.policy.calibration import ExitClassification
 from serving import load, watchdog
 from serving.deployments import gate, states
@@ -207,8 +208,10 @@ def _note_launch_failure(replica: Replica, kind: str, message: str) -> None:
     entry = ModelEntry.objects.filter(name=name).values("fingerprint", "fallbacks").first()
     if entry is None:
         return
-    fallback = ModelEntry.objects.filter(name__in=[f for f in entry["fallbacks"] or () if f != name]).exists()
-    recovery_service.note_failure(name, kind, message, entry["fingerprint"], fallback=fallback)
+    fallbacks = entry["fallbacks"] or ()
+    known = set(ModelEntry.objects.filter(name__in=fallbacks).values_list("name", flat=True))
+    recovery_service.note_failure(name, kind, message, entry["fingerprint"],
+                                  fallback=bool(recovery.usable_fallbacks(name, fallbacks, known)))
 
 
 def _calibrate(replica: Replica, peak: int | None) -> None:

@@ -104,7 +104,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             continue
         source, serves_for = model, ""
         if step.fallback:
-            substitute = models[recovery.usable_fallbacks(model, models)[0]]  # the step exists only when one does
+            substitute = models[recovery.usable_fallbacks(model.id, model.fallbacks, models)[0]]  # the step exists only when one does
             source, serves_for = substitute, substitute.id
         profiles = tuple(ordered_profiles(source))
         have = len(by_model.get(model.id, []))

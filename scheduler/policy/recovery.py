@@ -10,7 +10,7 @@ model is parked until its definition changes or an operator retries it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container
+from collections.abc import Container, Iterable
 
 from scheduler.policy.inputs import DesiredModel, FailureState, Settings
 
@@ -42,9 +42,10 @@ def ladder(kind: str, consecutive: int, settings: Settings = Settings(), *, fall
     return QUARANTINE if action == FALLBACK and not fallback else action
 
 
-def usable_fallbacks(model: DesiredModel, known: Container[str] | None = None) -> tuple[str, ...]:
-    """The model's configured fallbacks that exist (``known``: the catalog's names; None trusts them all)."""
-    return tuple(f for f in model.fallbacks if f != model.id and (known is None or f in known))
+def usable_fallbacks(name: str, fallbacks: Iterable[str], known: Container[str] | None = None) -> tuple[str, ...]:
+    """The configured fallbacks of model ``name`` that exist (``known``: the catalog's names; None
+    trusts them all). The policy and Serving's agent, noting a failure, both ask this."""
+    return tuple(f for f in fallbacks if f != name and (known is None or f in known))
 
 
 def backoff(consecutive: int, settings: Settings = Settings()) -> float:
@@ -66,7 +67,7 @@ def next_step(model: DesiredModel, failure: FailureState | None, settings: Setti
     if failure.consecutive >= settings.park_after:
         return Step(QUARANTINE, parked=True, reason=f"{failure.consecutive} failures in a row: "
                                                      f"{failure.last_error or failure.kind}")
-    action = ladder(failure.kind, failure.consecutive, settings, fallback=bool(usable_fallbacks(model, known)))
+    action = ladder(failure.kind, failure.consecutive, settings, fallback=bool(usable_fallbacks(model.id, model.fallbacks, known)))
     if action == QUARANTINE:
         return Step(QUARANTINE, parked=True, reason=f"quarantined after {failure.kind}: {failure.last_error}".rstrip(": "))
     not_before = None
