@@ -48,20 +48,26 @@ def _stamp(moment) -> float | None:
     return moment.timestamp() if moment else None
 
 
+def _catalog() -> dict[str, ModelEntry]:
+    return {e.name: e for e in ModelEntry.objects.select_related("owner")}
+
+
 def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = None,
-             live: load.Load | None = None, step_scaling: bool = False) -> Snapshot:
+             live: load.Load | None = None, step_scaling: bool = False,
+             entries: Mapping[str, ModelEntry] | None = None) -> Snapshot:
     """The policy's inputs: the catalog's models, the replicas running them, what the gateway sees
     of load (requests in flight per replica: active replicas are never evicted; requests waiting
     for a model), when each model was last used (idle on-demand replicas go), the recovery
     ladder's memory, and the holds carried from the last plan. ``waiting`` adds requests a caller
     knows of (an on-demand load asking now). The load-added replicas per model are read, and with
-    ``step_scaling`` (the reconcile pass) moved one load-scaling step first."""
+    ``step_scaling`` (the reconcile pass) moved one load-scaling step first. ``entries``: the
+    catalog, when the caller has just read it."""
     now = time.time() if now is None else now
     live = live if live is not None else load.current(now)
     wanted = dict(live.waiting)
     for name, count in (waiting or {}).items():
         wanted[name] = max(wanted.get(name, 0), count)
-    entries = {e.name: e for e in ModelEntry.objects.select_related("owner")}
+    entries = _catalog() if entries is None else entries
     rows = list(Replica.objects.select_related("deployment", "node")
                 .filter(deployment__name__in=entries, state__in=COUNTING).order_by("created_at", "pk"))
     used = ondemand.last_used(entries, {r.deployment.name for r in rows}, now)
@@ -172,7 +178,8 @@ def reconcile(waiting: Mapping[str, int] | None = None, *, wait_s: float = 0) ->
 def _reconcile(waiting: Mapping[str, int] | None) -> dict:
     now = time.time()
     live = load.current(now)
-    snap = snapshot(waiting, now=now, live=live, step_scaling=True)
+    entries = _catalog()
+    snap = snapshot(waiting, now=now, live=live, step_scaling=True, entries=entries)
     _unpark_changed(snap)
     plan = policy.schedule(snap)
     cache.set(HOLDS_KEY, [dataclasses.asdict(h) for h in plan.holds], None)
@@ -196,8 +203,7 @@ def _reconcile(waiting: Mapping[str, int] | None) -> dict:
             evicted.append(replica.deployment.name)
         except BerthError as error:
             log.warning("could not evict %s (%s): %s", replica, eviction.reason, error.message)
-    entries = {e.name: e for e in ModelEntry.objects.select_related("owner")}
-    for launch in plan.launches:
+    for launch in plan.launches:  # the entries the snapshot was built from
         entry = entries.get(launch.serves_for or launch.model)
         node = Node.objects.filter(name=launch.node).first()
         if entry is None or node is None:
