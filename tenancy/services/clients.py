@@ -232,10 +232,25 @@ def _by_lookup(lookup: str) -> Credential | None:
     return credential
 
 
+_CONVERTERS: dict = {}
+
+
 def _instance(model, fields, values):
-    """A model instance from raw column values, converted as the ORM would (JSON text to objects…)."""
-    converted = [field.from_db_value(value, None, connection) if hasattr(field, "from_db_value") else value
-                 for field, value in zip(fields, values)]
+    """A model instance from raw column values, converted exactly as the ORM's compiler would: the
+    backend's converters first (SQLite hands datetimes back as text, made aware here as the ORM
+    does), then the field's own (JSON text to objects…). The converters are gathered once a model."""
+    converters = _CONVERTERS.get(model)
+    if converters is None:
+        converters = []
+        for field in fields:
+            column = field.get_col(model._meta.db_table)
+            converters.append((column, connection.ops.get_db_converters(column) + column.get_db_converters(connection)))
+        _CONVERTERS[model] = converters
+    converted = []
+    for (column, steps), value in zip(converters, values):
+        for step in steps:
+            value = step(value, column, connection)
+        converted.append(value)
     return model.from_db(connection.alias, [field.attname for field in fields], converted)
 
 

@@ -161,3 +161,18 @@ def test_key_limits_are_validated_and_carried_over_on_rotation(personas, client_
     credential, _ = clients.create_credential(personas.max_actor, client_app, rpm_limit=60, concurrency_limit=2)
     new, _ = clients.rotate_credential(personas.max_actor, credential)
     assert (new.rpm_limit, new.tpm_limit, new.concurrency_limit) == (60, None, 2)
+
+
+def test_every_authenticated_field_equals_the_orm_value_and_the_key_keeps_working(personas):
+    """On every database (SQLite hands datetimes back as text): an expiring key works on its first use
+    and every later one, and each field the single-lookup query returns is the ORM's own value."""
+    client = clients.create_client(personas.max_actor, personas.acme.project, "steady")
+    credential, plaintext = clients.create_credential(personas.max_actor, client, lifetime=timedelta(days=1))
+    for _ in range(3):
+        found = clients.authenticate(plaintext)
+    assert found.last_used_at is not None and timezone.is_aware(found.last_used_at)
+    for found_row, orm_row in ((found, Credential.objects.get(pk=credential.pk)), (found.client, client),
+                               (found.client.project, personas.acme.project)):
+        orm_row.refresh_from_db()
+        for field in type(orm_row)._meta.concrete_fields:
+            assert getattr(found_row, field.attname) == getattr(orm_row, field.attname), field.name
