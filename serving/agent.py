@@ -83,7 +83,21 @@ def start_replica(replica_id: str) -> None:
     try:
         _start(replica)
     finally:
+        _finish_stop_while_starting(replica)
         admit_next(replica.node_id)
+
+
+def _finish_stop_while_starting(replica: Replica) -> None:
+    """A stop that came while the engine was being launched moved the replica from ``starting`` to
+    ``stopping`` before its handle was recorded. Only this start knows that engine, so the stop is
+    finished here, once ``_start`` has stopped the engine (or never launched one): the row says
+    stopped only when no engine of it runs."""
+    replica.refresh_from_db(fields=["state", "handle"])
+    if replica.state != S.STOPPING or replica.handle:
+        return  # not stopped meanwhile, or stopped once its handle was recorded: ``stop_replica`` owns that
+    with transaction.atomic():
+        if states.move(replica, S.STOPPED, "stopped while it was starting: its engine was stopped before it loaded"):
+            release(replica)
 
 
 def _start(replica: Replica) -> None:
@@ -108,7 +122,7 @@ def _start(replica: Replica) -> None:
         return
     if not states.move(replica, S.LOADING, f"{runtime.kind} runtime started the engine", handle=dataclasses.asdict(handle)):
         runtime.stop(handle, grace_seconds=5)  # stopped while starting: do not leave it running
-        return
+        return  # the caller finishes the stop (``_finish_stop_while_starting``)
     watch_startup(replica)
 
 
@@ -255,17 +269,8 @@ def _record_oom(replica: Replica, exit: Exit) -> None:
 
 
 def stop_replica(replica_id: str) -> None:
-    replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
+    replica = _claim_stop(replica_id)
     if replica is None:
-        return
-    if replica.state in (S.PLANNED, S.QUEUED):
-        with transaction.atomic():
-            if states.move(replica, S.STOPPED, "cancelled before it started"):
-                release(replica)
-        return
-    if replica.state in (S.STARTING, S.LOADING, S.READY, S.SLEEPING, S.UNKNOWN):
-        states.move(replica, S.STOPPING, "stopping")
-    if replica.state != S.STOPPING:
         return
     drain(replica, settings.SERVING_DRAIN_SECONDS)
     handle = _handle(replica)
@@ -274,6 +279,31 @@ def stop_replica(replica_id: str) -> None:
         if states.move(replica, S.STOPPED, "stopped" + (f" ({exit.describe()})" if exit else "")):
             release(replica)
     admit_next(replica.node_id)
+
+
+def _claim_stop(replica_id: str) -> Replica | None:
+    """Record the stop on the replica's row: cancelled at once when it has not started, else moved
+    to ``stopping``. Each move is conditional on the state just read; when a start moved the replica
+    meanwhile (say ``starting`` → ``loading``), it is read again and the stop tried again, so a stop
+    is never lost to a start. Returns the replica whose engine this stop must now stop, or None
+    (nothing runs, or the start in progress stops its own engine)."""
+    while True:
+        replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
+        if replica is None or replica.state in states.TERMINAL:
+            return None
+        if replica.state in (S.PLANNED, S.QUEUED):
+            with transaction.atomic():
+                if states.move(replica, S.STOPPED, "cancelled before it started"):
+                    release(replica)
+                    return None
+            continue
+        if replica.state == S.STOPPING:
+            # Stopped while starting, before the engine's handle was recorded: its start stops it.
+            return replica if replica.handle else None
+        launching = replica.state == S.STARTING
+        message = "stopping: the start in progress stops its engine once launched" if launching else "stopping"
+        if states.move(replica, S.STOPPING, message):
+            return None if launching else replica
 
 
 def drain(replica: Replica, grace: float) -> bool:
@@ -386,19 +416,29 @@ def check_liveness(node: Node) -> None:
 
 def adopt(node: Node) -> None:
     """After an agent restart: loading engines whose process still runs are watched again; starts
-    interrupted before an engine existed are failed (their reservation is given back); managed
-    engines running without any record are adopted as ``unknown`` so a person sees and can stop them."""
+    interrupted before their engine was up are failed, and stops interrupted are finished (what
+    they held is given back, the engine is stopped); managed engines running without any record
+    are adopted as ``unknown`` so a person sees and can stop them."""
     from serving import tasks
 
-    adopt_orphans(node)
-
-    for replica in Replica.objects.select_related("deployment", "node").filter(node=node, state__in=(S.STARTING,
-                                                                                                     S.LOADING)):
-        handle = _handle(replica)
-        if handle is not None and runtime_for(handle.runtime).status(handle).running:
+    managed = _managed()
+    adopt_orphans(node, managed)
+    # A start interrupted between launching its engine and recording the handle left that engine
+    # running with no handle on the row: the runtime still finds it by the replica's id.
+    launched = {handle.replica_id: handle for handle in managed}
+    for replica in Replica.objects.select_related("deployment", "node").filter(
+            node=node, state__in=(S.STARTING, S.LOADING, S.STOPPING)):
+        handle = _handle(replica) or launched.get(str(replica.public_id))
+        if replica.state == S.STOPPING:
+            exit = runtime_for(handle.runtime).stop(handle) if handle else None
+            with transaction.atomic():
+                if states.move(replica, S.STOPPED, "stopped once the agent restarted"
+                               + (f" ({exit.describe()})" if exit else "")):
+                    release(replica)
+        elif replica.state == S.LOADING and handle is not None and runtime_for(handle.runtime).status(handle).running:
             tasks.watch_replica.apply_async(args=[str(replica.public_id)], queue=f"node.{node.name}")
         else:
-            fail(replica, "the agent restarted before the engine was up")
+            fail(replica, "the agent restarted before the engine was up", handle=handle)
 
 
 def start_up() -> None:
@@ -410,32 +450,37 @@ def start_up() -> None:
     close_old_connections()
 
 
-def adopt_orphans(node: Node) -> list[Replica]:
-    adopted = []
+def _managed() -> list[Handle]:
+    """Every managed engine running on this node, of either runtime."""
+    handles = []
     for kind in ("process", "docker"):
         try:
-            handles = runtime_for(kind).managed()
+            handles += runtime_for(kind).managed()
         except Exception as error:  # a runtime this node does not have (no Docker daemon): nothing of it runs
             log.info("no %s engines to adopt: %s", kind, error)
+    return handles
+
+
+def adopt_orphans(node: Node, handles: list[Handle]) -> list[Replica]:
+    adopted = []
+    known = {str(r) for r in Replica.objects.filter(public_id__in=[h.replica_id for h in handles if _is_id(h.replica_id)])
+             .values_list("public_id", flat=True)}
+    for handle in handles:
+        if not _is_id(handle.replica_id) or handle.replica_id in known:
             continue
-        known = {str(r) for r in Replica.objects.filter(public_id__in=[h.replica_id for h in handles if _is_id(h.replica_id)])
-                 .values_list("public_id", flat=True)}
-        for handle in handles:
-            if not _is_id(handle.replica_id) or handle.replica_id in known:
-                continue
-            name, port = _served_name_and_port(handle)
-            if port is None:
-                log.warning("a managed engine (%s) runs without a record and without a readable port", handle)
-                continue
-            with transaction.atomic():
-                deployment = Deployment.objects.create(
-                    name=name or f"unknown-{handle.replica_id[:8]}", model_path="", node=node,
-                    runtime=handle.runtime, state=S.UNKNOWN,
-                    state_detail="found running without a record: adopted; stop it or leave it")
-                adopted.append(Replica.objects.create(public_id=handle.replica_id, deployment=deployment, node=node,
-                                                      port=port, state=S.UNKNOWN, handle=dataclasses.asdict(handle)))
-                DeploymentEvent.objects.create(deployment=deployment, replica=adopted[-1], to_state=S.UNKNOWN,
-                                               message="a managed engine found running without a record")
+        name, port = _served_name_and_port(handle)
+        if port is None:
+            log.warning("a managed engine (%s) runs without a record and without a readable port", handle)
+            continue
+        with transaction.atomic():
+            deployment = Deployment.objects.create(
+                name=name or f"unknown-{handle.replica_id[:8]}", model_path="", node=node,
+                runtime=handle.runtime, state=S.UNKNOWN,
+                state_detail="found running without a record: adopted; stop it or leave it")
+            adopted.append(Replica.objects.create(public_id=handle.replica_id, deployment=deployment, node=node,
+                                                  port=port, state=S.UNKNOWN, handle=dataclasses.asdict(handle)))
+            DeploymentEvent.objects.create(deployment=deployment, replica=adopted[-1], to_state=S.UNKNOWN,
+                                           message="a managed engine found running without a record")
     return adopted
 
 

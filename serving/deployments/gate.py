@@ -26,8 +26,10 @@ def claim(replica: Replica) -> bool:
     with transaction.atomic():
         Node.objects.select_for_update().get(pk=replica.node_id)
         replica.refresh_from_db()
-        if replica.state not in (S.PLANNED, S.QUEUED, S.STOPPED, S.FAILED):
-            return False  # someone else moved it (cancelled, already started)
+        if replica.state not in (S.PLANNED, S.QUEUED):
+            # Stopped or failed (a stop cancelled it before its start job arrived), or started by
+            # another job: a replica that ended never starts again (a start makes a new one).
+            return False
         busy = Replica.objects.filter(node_id=replica.node_id, state__in=BUSY).count()
         ahead = Replica.objects.filter(node_id=replica.node_id, state=S.QUEUED).exclude(pk=replica.pk)
         if replica.state == S.QUEUED:

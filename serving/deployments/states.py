@@ -26,8 +26,10 @@ ALLOWED = {
     S.READY: {S.SLEEPING, S.STOPPING, S.FAILED},
     S.SLEEPING: {S.READY, S.STOPPING, S.FAILED},
     S.STOPPING: {S.STOPPED, S.FAILED},  # failed: its node was lost while it stopped
-    S.STOPPED: {S.QUEUED, S.STARTING},
-    S.FAILED: {S.QUEUED, S.STARTING, S.STOPPED},
+    # Ended for good: starting a deployment again makes a fresh replica, so a start job that arrives
+    # after its replica was stopped can never bring the engine up.
+    S.STOPPED: set(),
+    S.FAILED: {S.STOPPED},
     S.UNKNOWN: {S.READY, S.STOPPING, S.FAILED},
 }
 # Which live replica's state speaks for the deployment when they differ, most telling first.
