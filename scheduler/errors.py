@@ -1,4 +1,4 @@
-from berth.errors import Conflict, InvalidInput, NotFound
+from berth.errors import Conflict, InvalidInput, NotFound, PermissionDenied
 
 
 class InvalidNodeReport(InvalidInput):
@@ -9,6 +9,13 @@ class InvalidNodeState(Conflict):
     """Cordon, uncordon or drain asked of a node whose state does not allow it."""
 
     code = "invalid_node_state"
+
+
+class FleetFilesForStaff(PermissionDenied):
+    """Reading a model directory's files by path (the estimate of a path) is staff's: a file there
+    may be behind another tenant's catalog entry."""
+
+    code = "fleet_files_for_staff"
 
 
 class InvalidEstimateRequest(InvalidInput):

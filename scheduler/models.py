@@ -247,6 +247,10 @@ class PlacementDecision(models.Model):
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.PLAN)
     model = models.CharField(max_length=255, db_index=True, help_text="The catalog model the decision is about.")
+    # Who may read the row: those who see this scope (and staff). None — a shared model, a stand-in,
+    # a scope since deleted — is staff's only (scheduler.reach.visible_decisions).
+    owner = models.ForeignKey("tenancy.Scope", on_delete=models.SET_NULL, null=True, blank=True, related_name="+",
+                              help_text="The model's owner scope when the decision was made.")
     verdict = models.CharField(max_length=16, choices=Verdict.choices)
     reason_codes = models.JSONField(default=list)
     detail = models.TextField(blank=True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import OuterRef, QuerySet, Subquery
 
-from scheduler import recovery_service
+from scheduler import reach, recovery_service
 from scheduler.models import PlacementDecision, RecoveryState
 from scheduler.policy import plan as policy
 from scheduler.policy.inputs import Plan, Snapshot
@@ -31,13 +32,25 @@ def trim_history() -> int:
     return deleted
 
 
+def _owners(snapshot: Snapshot) -> dict:
+    """{model id: its owner Scope} for the snapshot's models that have one (one query): the row
+    keeps who may read it."""
+    from tenancy.models import Scope
+
+    paths = {m.id: m.owner for m in snapshot.models if m.owner}
+    scopes = {s.path: s for s in Scope.objects.filter(path__in=set(paths.values()))}
+    return {model: scopes[path] for model, path in paths.items() if path in scopes}
+
+
 def record_plan(snapshot: Snapshot, plan: Plan) -> list[PlacementDecision]:
     """Store one row per model the plan decides something about, with the inputs' digest, the
     plan's fingerprint and the free memory before and after."""
     digest, fingerprint = snapshot.digest(), plan.fingerprint()
     before = Fleet(snapshot.nodes, snapshot.replicas).total_free_bytes()
     after = Fleet(snapshot.nodes, policy.apply(snapshot, plan).replicas).total_free_bytes()
-    rows = [PlacementDecision(kind=PlacementDecision.Kind.PLAN, model=d.model, verdict=d.verdict,
+    owners = _owners(snapshot)
+    rows = [PlacementDecision(kind=PlacementDecision.Kind.PLAN, model=d.model, owner=owners.get(d.model),
+                              verdict=d.verdict,
                               reason_codes=list(d.codes), detail=d.detail[:4000], inputs_digest=digest,
                               fingerprint=fingerprint, node=d.node, accelerators=list(d.accelerators),
                               victims=list(d.victims), headroom_before_bytes=before, headroom_after_bytes=after)
@@ -77,21 +90,30 @@ def headroom(snapshot: Snapshot, model_id: str, *, limit: int = 16, record: bool
 def _dry_run(snapshot, plan, kind, model_id, codes, *, detail="", evidence=None, before=None, after=None):
     with transaction.atomic():
         row = PlacementDecision.objects.create(
-            kind=kind, model=model_id, verdict=PlacementDecision.Verdict.DRY_RUN, reason_codes=codes,
+            kind=kind, model=model_id, owner=_owners(snapshot).get(model_id),
+            verdict=PlacementDecision.Verdict.DRY_RUN, reason_codes=codes,
             detail=detail[:4000], inputs_digest=snapshot.digest(), fingerprint=plan.fingerprint(),
             headroom_before_bytes=before, headroom_after_bytes=after, evidence=evidence or {})
         trim_history()
     return row
 
 
-def parked_and_unplaceable(limit: int = 200) -> dict:
+def latest_per_model(rows: QuerySet) -> QuerySet:
+    """The newest of ``rows`` for each model. A correlated subquery, not ``DISTINCT ON`` (which only
+    PostgreSQL has): the embedded default runs on SQLite."""
+    newest = rows.filter(model=OuterRef("model")).order_by("-created_at", "-id").values("id")[:1]
+    return rows.filter(id=Subquery(newest))
+
+
+def parked_and_unplaceable(caller, limit: int = 200) -> dict:
     """Parked models (from the recovery memory, ``scheduler.recovery_service.parked``; a model
     whose latest decision is parked but which has no failure memory left is listed from the
-    decision, not retriable) and unplaceable ones (the latest verdict per model is unschedulable)."""
-    rows = (PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN)
-            .order_by("model", "-created_at", "-id").distinct("model")
-            .values("model", "verdict", "detail", "reason_codes", "created_at"))[:limit * 4]
-    parked = recovery_service.parked(limit)
+    decision, not retriable) and unplaceable ones (the latest verdict per model is unschedulable),
+    among the models whose latest decision ``caller`` may read (``scheduler.reach``)."""
+    latest = reach.visible_decisions(caller, latest_per_model(
+        PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN)))
+    rows = latest.order_by("model").values("model", "verdict", "detail", "reason_codes", "created_at")[:limit * 4]
+    parked = recovery_service.parked(limit, models=None if reach.sees_everything(caller) else latest.values("model"))
     by_decision = [r for r in rows if r["verdict"] == PlacementDecision.Verdict.PARKED]
     # A model with a recovery row is described by it (a retried one is no longer parked, whatever
     # the last plan said); only a parked verdict with no row at all is listed from the decision.

@@ -93,9 +93,13 @@ def describe(row: RecoveryState) -> dict:
             "retried_by": row.retried_by, "retried_at": row.retried_at, "retriable": row.parked}
 
 
-def parked(limit: int = 200) -> list[dict]:
-    """Parked models, most recently parked first."""
-    rows = RecoveryState.objects.filter(parked=True).order_by("-parked_at", "model")[:limit]
+def parked(limit: int = 200, models=None) -> list[dict]:
+    """Parked models, most recently parked first; only those named in ``models`` (names, or a
+    queryset of them) when given."""
+    rows = RecoveryState.objects.filter(parked=True)
+    if models is not None:
+        rows = rows.filter(model__in=models)
+    rows = rows.order_by("-parked_at", "model")[:limit]
     return [describe(row) for row in rows]
 
 

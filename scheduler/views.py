@@ -11,7 +11,7 @@ from django.views import View
 
 from berth.errors import BerthError
 from berth.htmx import PageView, render_page, wants_fragment
-from scheduler import memory, services
+from scheduler import memory, reach, services
 from scheduler.filtersets import NodeFilterSet
 from scheduler.forms import EstimateForm, NodeActionForm
 from scheduler.models import Accelerator, AcceleratorSample, ModelDirectory, Node, NodeSample
@@ -39,19 +39,26 @@ class FleetView(LoginRequiredMixin, PageView):
         context["table"] = NodeTable(filterset.qs)
         context["accelerators"] = AcceleratorTable(_accelerators().filter(node__in=filterset.qs),
                                                    empty_message="No GPUs reported by these nodes.")
+        context["can_estimate"] = reach.sees_everything(self.request.user)
         return context
 
 
 class NodeDetailView(LoginRequiredMixin, PageView):
+    """A node's capacity and telemetry; what its model directories hold is shown to staff only."""
+
     template_name = "scheduler/node.html"
     fragment_template_name = "scheduler/node_live.html"
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        node = get_object_or_404(Node.objects.prefetch_related(
-            "engines", Prefetch("model_directories", queryset=ModelDirectory.objects.prefetch_related("weights"))),
-            public_id=kwargs["public_id"])
+        sees_files = reach.sees_everything(self.request.user)
+        nodes = Node.objects.prefetch_related("engines")
+        if sees_files:
+            nodes = nodes.prefetch_related(
+                Prefetch("model_directories", queryset=ModelDirectory.objects.prefetch_related("weights")))
+        node = get_object_or_404(nodes, public_id=kwargs["public_id"])
         context["node"] = node
+        context["sees_files"] = sees_files
         context["accelerators"] = AcceleratorTable(_accelerators().filter(node=node),
                                                    empty_message=node.gpu_note or "No GPUs reported.")
         context["node_samples"] = NodeSample.objects.filter(node=node)[:20]
@@ -84,11 +91,15 @@ class NodeActionView(LoginRequiredMixin, UserPassesTestMixin, View):
         return redirect("scheduler:node", public_id=public_id)
 
 
-class EstimateView(LoginRequiredMixin, View):
-    """Will this fit, and what is it made of: the form, and its answer as a fragment."""
+class EstimateView(LoginRequiredMixin, UserPassesTestMixin, View):
+    """Will this fit, and what is it made of: the form, and its answer as a fragment. Staff only, as
+    the API's: it reads any file under the model roots by path (others ask a model's card)."""
 
     template_name = "scheduler/estimate.html"
     fragment_template_name = "scheduler/estimate_result.html"
+
+    def test_func(self):
+        return reach.sees_everything(self.request.user)
 
     def get(self, request):
         form = EstimateForm(request.GET or None)
@@ -117,11 +128,11 @@ def placement_context(request, query) -> dict:
     from scheduler.models import PlacementDecision
 
     filters = {k: query.get(k, "").strip() for k in ("model", "verdict", "kind")}
-    rows = PlacementDecision.objects.all()
+    rows = reach.visible_decisions(request.user, PlacementDecision.objects.all())
     for field, value in filters.items():
         if value:
             rows = rows.filter(**{field: value})
-    lists = placement_service.parked_and_unplaceable()
+    lists = placement_service.parked_and_unplaceable(request.user)
     page = reverse("scheduler:placement")
     return {"filters": filters, "decisions": rows[:200], "parked": ParkedModelTable(lists["parked"]),
             "unplaceable": UnplaceableModelTable(lists["unplaceable"]), "can_retry": request.user.is_staff,

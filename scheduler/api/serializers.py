@@ -1,5 +1,6 @@
 from rest_framework import serializers
 
+from scheduler import reach
 from scheduler.memory import ENGINES
 from scheduler.models import (
     Accelerator, CalibrationRecord, HeldWeight, ModelDirectory, Node, NodeEngine, PlacementDecision,
@@ -47,6 +48,9 @@ class ModelDirectorySerializer(serializers.ModelSerializer):
 
 
 class NodeSerializer(serializers.ModelSerializer):
+    """A node's capacity for everyone; its model directories (paths and files) for staff only
+    (``scheduler.reach``): the field is absent for others, and without a request in the context."""
+
     id = serializers.UUIDField(source="public_id", read_only=True)
     engines = NodeEngineSerializer(many=True, read_only=True)
     accelerators = AcceleratorSerializer(many=True, read_only=True)
@@ -57,6 +61,13 @@ class NodeSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "address", "labels", "state", "cpu_count", "cpu_load_1m", "memory_total_bytes",
                   "memory_available_bytes", "unified_memory", "agent_version", "driver_version", "gpu_source",
                   "gpu_note", "last_heartbeat_at", "engines", "accelerators", "model_directories"]
+
+    def get_fields(self):
+        fields = super().get_fields()
+        request = self.context.get("request")
+        if request is None or not reach.sees_everything(request.user):
+            fields.pop("model_directories")
+        return fields
 
 
 class NodeActionSerializer(serializers.Serializer):
@@ -115,7 +126,9 @@ class PolicyModelSerializer(serializers.Serializer):
     max = serializers.IntegerField(min_value=0, required=False, allow_null=True)
     idle_timeout_s = serializers.IntegerField(min_value=0, default=900)
     capacity_class = serializers.ChoiceField(choices=["", "critical", "standard", "opportunistic"], default="")
-    owner = serializers.CharField(max_length=255, required=False, default="", allow_blank=True)
+    owner = serializers.CharField(max_length=255, required=False, default="", allow_blank=True,
+                                  help_text="The owner scope (acme/ml, team:acme/ml or its id) among those you see; "
+                                            "empty: shared, counted against nobody.")
     limit = serializers.IntegerField(min_value=1, max_value=64, default=16)
 
     def validate(self, data):
@@ -125,7 +138,9 @@ class PolicyModelSerializer(serializers.Serializer):
             raise serializers.ValidationError({"max": "max must be at least min."})
         return data
 
-    def desired(self):
+    def desired(self, owner: str = ""):
+        """The policy's model; ``owner`` is the owner scope's path, resolved by the caller
+        (``scheduler.reach.resolve_owner``), never the text as written."""
         from scheduler.policy.inputs import GIB, DesiredModel, Profile, Scaling
 
         data = self.validated_data
@@ -135,7 +150,7 @@ class PolicyModelSerializer(serializers.Serializer):
                                  priority=p["priority"]) for p in data["profiles"])
         return DesiredModel(data["model"], profiles, Scaling(min=data["min"], max=data.get("max"),
                                                              idle_timeout_s=data["idle_timeout_s"]),
-                            capacity_class=data["capacity_class"], owner=data["owner"])
+                            capacity_class=data["capacity_class"], owner=owner)
 
 
 class ParkedModelSerializer(serializers.Serializer):

@@ -7,12 +7,13 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from scheduler import memory, services
+from scheduler import memory, reach, services
 from scheduler.api.serializers import (
     AcceleratorSerializer, CalibrationRecordSerializer, EstimateRequestSerializer, NodeActionSerializer,
     NodeSerializer, ParkedAndUnplaceableSerializer, ParkedModelSerializer, PlacementDecisionSerializer,
     PolicyModelSerializer,
 )
+from scheduler.errors import FleetFilesForStaff
 from scheduler.filtersets import AcceleratorFilterSet, CalibrationRecordFilterSet, NodeFilterSet
 from scheduler.models import Accelerator, CalibrationRecord, ModelDirectory, Node
 from scheduler.presenting import estimate_payload
@@ -33,7 +34,8 @@ def _accelerators():
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
-    """The fleet's nodes, looked up by their public id; cordon, uncordon and drain are actions."""
+    """The fleet's nodes, looked up by their public id; cordon, uncordon and drain are actions.
+    ``model_directories`` (paths and files) are shown to staff only."""
 
     queryset = Node.objects.prefetch_related(
         "engines", Prefetch("accelerators", queryset=_accelerators()),
@@ -49,7 +51,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         body = NodeActionSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         node = getattr(services, verb)(node, audit.Actor.from_request(request), reason=body.validated_data["reason"])
-        return Response(NodeSerializer(self.get_queryset().get(pk=node.pk)).data)
+        return Response(self.get_serializer(self.get_queryset().get(pk=node.pk)).data)
 
     @action(detail=True, methods=["post"], permission_classes=[IsStaff])
     def cordon(self, request, public_id=None):
@@ -77,10 +79,16 @@ class AcceleratorViewSet(viewsets.ReadOnlyModelViewSet):
 
 class EstimateView(APIView):
     """POST a model path, engine and configuration (and optionally a node or accelerator):
-    the estimate with its breakdown, and the fit with plans."""
+    the estimate with its breakdown, and the fit with plans. Staff only (403
+    ``fleet_files_for_staff``): it reads any file under the model roots, whoever's catalog entry it
+    is behind. Others ask the catalog for a model they see (``…/catalog/models/{id}/room/``)."""
 
-    @extend_schema(request=EstimateRequestSerializer, responses={200: dict})
+    @extend_schema(request=EstimateRequestSerializer,
+                   responses={200: dict, 403: OpenApiResponse(description="fleet_files_for_staff")})
     def post(self, request):
+        if not reach.sees_everything(request.user):
+            raise FleetFilesForStaff("Estimating a file by its path is for staff; estimate a model you can see "
+                                     "through the catalog (GET /api/serving/catalog/models/{id}/room/).")
         body = EstimateRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
@@ -124,7 +132,8 @@ class CalibrationRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
 # --- placement policy: decisions, explain, headroom ------------------------------------------------
 
 class PlacementDecisionViewSet(viewsets.ReadOnlyModelViewSet):
-    """Placement decisions kept as evidence; filter with ?model=, ?verdict=, ?kind=."""
+    """Placement decisions kept as evidence; filter with ?model=, ?verdict=, ?kind=. Staff see every
+    decision; others those about models of scopes they see (``scheduler.reach``)."""
 
     serializer_class = PlacementDecisionSerializer
     lookup_field = "public_id"
@@ -133,7 +142,7 @@ class PlacementDecisionViewSet(viewsets.ReadOnlyModelViewSet):
     def get_queryset(self):
         from scheduler.models import PlacementDecision
 
-        rows = PlacementDecision.objects.all()
+        rows = reach.visible_decisions(self.request.user, PlacementDecision.objects.all())
         for field in ("model", "verdict", "kind"):
             value = self.request.query_params.get(field)
             if value:
@@ -145,7 +154,10 @@ class _DryRunView(APIView):
     def _model(self, request):
         body = PolicyModelSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        return body
+        # The owner's contracts decide the answer, and the refusals name them with their figures:
+        # resolved among the scopes the caller sees (404 otherwise), never taken as written.
+        owner = reach.resolve_owner(request.user, body.validated_data["owner"])
+        return body, body.desired(owner=owner.path if owner else "")
 
 
 class ExplainPlacementView(_DryRunView):
@@ -157,8 +169,7 @@ class ExplainPlacementView(_DryRunView):
         from scheduler import placement_service
         from scheduler.snapshot import current_snapshot
 
-        body = self._model(request)
-        model = body.desired()
+        _, model = self._model(request)
         answer = placement_service.explain_placement(current_snapshot((model,)), model.id)
         return Response(answer)
 
@@ -171,21 +182,21 @@ class HeadroomView(_DryRunView):
         from scheduler import placement_service
         from scheduler.snapshot import current_snapshot
 
-        body = self._model(request)
-        model = body.desired()
+        body, model = self._model(request)
         return Response(placement_service.headroom(current_snapshot((model,)), model.id,
                                                    limit=body.validated_data["limit"]))
 
 
 class ParkedUnplaceableView(APIView):
     """The parked models (with the last failure's kind, how many in a row, the last error and since
-    when) and the unplaceable ones (their latest decision is unschedulable), with why."""
+    when) and the unplaceable ones (their latest decision is unschedulable), with why: the models
+    whose decisions the caller may read."""
 
     @extend_schema(responses={200: ParkedAndUnplaceableSerializer})
     def get(self, request):
         from scheduler import placement_service
 
-        return Response(ParkedAndUnplaceableSerializer(placement_service.parked_and_unplaceable()).data)
+        return Response(ParkedAndUnplaceableSerializer(placement_service.parked_and_unplaceable(request.user)).data)
 
 
 class RetryParkedView(APIView):

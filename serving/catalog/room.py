@@ -76,11 +76,13 @@ def placement(entry: ModelEntry, verdicts: dict | None = None) -> dict:
 
 
 def placement_verdicts() -> dict[str, dict]:
-    """The latest parked or unschedulable verdict per model, from Scheduler II's evidence rows."""
+    """The latest parked or unschedulable verdict per model, from Scheduler II's evidence rows: every
+    model's (read as Berth itself); callers show them only beside the entries the reader sees."""
     try:
         from scheduler.placement_service import parked_and_unplaceable
+        from tenancy.audit import SYSTEM
 
-        found = parked_and_unplaceable()
+        found = parked_and_unplaceable(SYSTEM)
     except (ImportError, BerthError) as error:  # Scheduler II absent or refusing: no verdicts
         log.warning("placement verdicts unavailable: %s", error)
         return {}

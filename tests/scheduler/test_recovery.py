@@ -14,13 +14,13 @@ from django.db import connection
 
 from scheduler import recovery_service
 from scheduler.errors import ModelNotParked
-from scheduler.models import RecoveryState
+from scheduler.models import PlacementDecision, RecoveryState
 from scheduler.placement_service import parked_and_unplaceable, record_plan
 from scheduler.policy import recovery
 from scheduler.policy.inputs import GIB, DesiredModel, NodeInfo, Profile, Snapshot
 from scheduler.policy.plan import schedule
-from tenancy.audit import Actor
-from tenancy.models import AuditEvent
+from tenancy.audit import SYSTEM, Actor
+from tenancy.models import AuditEvent, Membership, Role, Scope
 
 pytestmark = pytest.mark.django_db
 OPERATOR = Actor(system="tests")
@@ -121,9 +121,9 @@ def test_with_no_fallback_the_step_that_would_fall_back_parks_the_row_and_the_pl
     assert [(d.model, d.verdict) for d in plan.decisions] == [("llama-8b", "parked")]
     [listed] = recovery_service.parked()
     assert listed["model"] == "llama-8b" and listed["parked"] and "out of memory while loading" in listed["detail"]
-    assert [p["model"] for p in parked_and_unplaceable()["parked"]] == ["llama-8b"]
+    assert [p["model"] for p in parked_and_unplaceable(SYSTEM)["parked"]] == ["llama-8b"]
     recovery_service.retry(OPERATOR, "llama-8b")
-    assert recovery_service.parked() == [] and parked_and_unplaceable()["parked"] == []
+    assert recovery_service.parked() == [] and parked_and_unplaceable(SYSTEM)["parked"] == []
 
 
 def test_a_fallback_that_is_not_in_the_catalog_is_no_fallback():
@@ -246,6 +246,11 @@ def test_console_shows_a_parked_model_with_why_and_a_retry_button_for_staff(clie
     assert "llama-8b" in page and "parked after 5 failure(s)" in page and "crash" in page
     assert 'hx-post="/fleet/placement/parked/llama-8b/retry/"' in page and ">Retry</button>" in page
     client.force_login(member)
+    assert "llama-8b" not in client.get("/fleet/placement/").content.decode()  # of no scope they see
+    scope = Scope.objects.create(kind="org", slug="acme", name="Acme", path="acme")
+    Membership.objects.create(user=member, scope=scope, role=Role.MEMBER)
+    PlacementDecision.objects.create(model="llama-8b", owner=scope, verdict="parked", inputs_digest="d",
+                                     fingerprint="f")
     page = client.get("/fleet/placement/").content.decode()
     assert "parked after 5 failure(s)" in page and ">Retry</button>" not in page
 
