@@ -126,7 +126,7 @@ class PreviewView(LoginRequiredMixin, View):
         context = {"form": form}
         if form.is_valid():
             try:
-                result = service.preview(_request(request, form))
+                result = service.preview(Actor.from_request(request), _request(request, form))
                 # Each plan with the actions the wizard posts back when it is chosen.
                 context.update(result=result, plans=[
                     (plan, json.dumps([{"kind": a.kind, "target": a.target} for a in plan.actions]))

@@ -74,7 +74,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     def preview(self, request):
         """Will it fit, and what is it made of. Changes nothing."""
         data = _valid(DeployInputSerializer, request.data)
-        result = service.preview(deploy_request(request, data))
+        result = service.preview(Actor.from_request(request), deploy_request(request, data))
         return Response(preview_body(result))
 
     @extend_schema(request=None, responses={200: DeploymentSerializer})

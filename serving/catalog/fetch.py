@@ -143,7 +143,9 @@ def enqueue_job(job: FetchJob) -> None:
 
 
 def resume(actor: Actor, job: FetchJob, *, enqueue: bool = True) -> FetchJob:
-    """Run a failed fetch again: what arrived stays, each file continues where it stopped."""
+    """Run a failed fetch again: what arrived stays, each file continues where it stopped. It takes
+    what starting it took (a viewer may follow a fetch, not run it)."""
+    _require_catalog_rights(actor, job.owner)
     if job.status not in (FetchJob.Status.FAILED,):
         raise BerthError(f"The fetch is {job.status}: only a failed fetch resumes.", code="fetch_not_resumable",
                          status=409)

@@ -98,10 +98,19 @@ def _validate(request: DeployRequest) -> dict[str, Any]:
     return config
 
 
-def preview(request: DeployRequest) -> memory.EstimateResult:
+def preview(actor: Actor, request: DeployRequest) -> memory.EstimateResult:
     """Will it fit, and what is it made of — changes nothing (the wizard calls this as one types).
-    When it does not, the plans may sleep or stop what already runs on the node, by name."""
+    When it does not, the plans may sleep or stop what already runs on the node, by name. It takes
+    what the deploy would (it reads the model's file): a viewer is refused before anything is read."""
+    _require_owner(actor, request)
     return _estimate(request, _validate(request), residents(request.node))
+
+
+def _require_owner(actor: Actor, request: DeployRequest) -> None:
+    if request.owner is not None:
+        access.require(actor, "use", request.owner)
+    elif not access.is_superuser(actor):
+        raise InvalidDeployment("Name the project (or team) this deployment belongs to.", details={"owner": "required"})
 
 
 def residents(node: Node) -> list:
@@ -123,10 +132,7 @@ def _estimate(request: DeployRequest, config: dict[str, Any], residents=()) -> m
 def deploy(actor: Actor, request: DeployRequest) -> Deployment:
     """Validate → estimate → fit under the memory lock → allocate a port → record → start (by the
     node's agent, once this commits). Refused with fresh plans, changing nothing, when it does not fit."""
-    if request.owner is not None:
-        access.require(actor, "use", request.owner)
-    elif not access.is_superuser(actor):
-        raise InvalidDeployment("Name the project (or team) this deployment belongs to.", details={"owner": "required"})
+    _require_owner(actor, request)
     config = _validate(request)
     result = _estimate(request, config)
     if result.fit is not None and not result.fit.fits:

@@ -128,7 +128,7 @@ def test_preview_offers_to_stop_what_runs_when_it_does_not_fit(db, model_root, t
     Deployment.objects.create(name="sitting", model_path="/m.gguf", node=node, state="ready", priority=10,
                               memory_reserved_bytes=2**30)
     MemoryReservation.objects.create(node=node, holder="replica:sitting", bytes=int(0.99 * 2**30))
-    result = service.preview(service.DeployRequest(name="new", model_path=str(Path(shutil.copy(
+    result = service.preview(Actor(system="tests"), service.DeployRequest(name="new", model_path=str(Path(shutil.copy(
         tiny_model, model_root / "n.gguf"))), node=node, config={"context": 256}, priority=50))
     assert not result.fit.fits
     actions = [a for plan in result.fit.plans for a in plan.actions]
