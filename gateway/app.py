@@ -7,7 +7,8 @@ table from another (``serving.routing.RoutingCache``), limits cost one Redis rou
 (``gateway.usage``). Requests go to engines over one pooled aiohttp session.
 
 Order on every request: request id (set on every response, refusals included) → route → key
-(before the body is read) → body → model allowed and known → limits → a ready replica (or
+(before the body is read) → body (its shape and token counts, ``gateway.bodies``) → model allowed
+and known → the output it asks for within the model's cap or context → limits → a ready replica (or
 admission while the model loads) → the engine, retried once on another replica when the connection
 fails → the answer, streamed as it comes → usage, log line and metrics.
 """
@@ -31,11 +32,11 @@ from django.conf import settings
 from berth.errors import BerthError
 from gateway import metrics
 from gateway.auth import AuthCache, Principal
-from gateway import splits
+from gateway import bodies, splits
 from gateway.errors import (ERROR_TYPES, BadRequest, EndpointNotFound, EnvironmentNotAllowed, InferenceNotAllowed,
                             LimiterUnavailable, MethodNotAllowed, MetricsNotAllowed, MissingKey, ModelLoading,
                             ModelNotAllowed, ModelNotFound, NoReplica, QueueFull, TooLarge, UpstreamError,
-                            UpstreamTimeout)
+                            UpstreamTimeout, shown)
 from gateway.limits import LocalLimiter, Limiter
 from gateway.threads import run_db
 from gateway.upstream import Balancer
@@ -206,8 +207,14 @@ class Gateway:
             self.admission_timeout = settings.GATEWAY_ADMISSION_TIMEOUT
             self.recorder.start()
             loop = asyncio.get_running_loop()
+            # What this process changes itself (the console and the API run here; in the embedded
+            # mode, everything does) reaches the caches at once, without Redis.
+            self._stop_local = events.listen_locally(
+                lambda channel, message: loop.call_soon_threadsafe(self._on_event, channel, message))
             if self.redis is not None:
-                self._tasks.append(loop.create_task(self._listen()))
+                # Subscribed before the first request is served: a revocation published from now on
+                # is heard (a request served before that could not be told of one).
+                self._tasks.append(loop.create_task(self._listen(await self._subscribe())))
             self._tasks.append(loop.create_task(self._housekeeping()))
             self._tasks.append(loop.create_task(self._report_load()))
             self.ready = True
@@ -215,6 +222,7 @@ class Gateway:
     async def shutdown(self) -> None:
         if not self.ready:
             return
+        self._stop_local()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -226,31 +234,67 @@ class Gateway:
             await self.redis.aclose()
         self.ready = False
 
-    async def _listen(self) -> None:
+    def _on_event(self, channel: str, message: str) -> None:
+        if channel == events.CREDENTIAL_REVOKED:
+            self.auth.drop_lookup(message)
+        elif channel == routing.CHANNEL:
+            self.routing.invalidate()
+
+    async def _heard(self, channel: str, message: str) -> None:
+        """An event from Redis: acted on, then acknowledged when its publisher waits (a revocation
+        returns once every gateway process has dropped the key)."""
+        event, ack = events.received(message)
+        self._on_event(channel, event)
+        if ack:
+            try:
+                await self.redis.publish(ack, b"1")
+            except Exception as exc:  # noqa: BLE001 - the publisher stops waiting on its own
+                log.warning("could not acknowledge %s: %s", channel, exc)
+
+    async def _subscribe(self):
+        """A subscription Redis has confirmed (or None when Redis cannot be reached now: ``_listen``
+        keeps trying). The key cache starts over: what was published before cannot be known."""
+        pubsub = self.redis.pubsub()
+        channels = {events.CREDENTIAL_REVOKED.encode(), routing.CHANNEL.encode()}
+        try:
+            async with asyncio.timeout(5):
+                await pubsub.subscribe(*channels)
+                while channels:  # SUBSCRIBE is answered by one confirmation a channel
+                    message = await pubsub.get_message(timeout=1)
+                    if message is not None and message.get("type") == "subscribe":
+                        channels.discard(message["channel"])
+        except Exception as exc:  # noqa: BLE001 - Redis unreachable or slow: the caches' lifetimes cover it
+            log.warning("gateway event subscription failed (%s); retrying", exc)
+            try:
+                await pubsub.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+            return None
+        self.auth.clear()
+        self.routing.invalidate()
+        return pubsub
+
+    async def _listen(self, pubsub) -> None:
         """Revocations and routing changes, from every process, over Redis pub/sub."""
         while True:
-            pubsub = self.redis.pubsub()
+            if pubsub is None:
+                await asyncio.sleep(1)
+                pubsub = await self._subscribe()
+                continue
             try:
-                await pubsub.subscribe(events.CREDENTIAL_REVOKED, routing.CHANNEL)
-                self.auth.clear()  # what was missed while not subscribed cannot be trusted
                 async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    channel = message["channel"]
-                    if channel == events.CREDENTIAL_REVOKED.encode():
-                        self.auth.drop_lookup(message["data"].decode())
-                    else:
-                        self.routing.invalidate()
+                    if message.get("type") == "message":
+                        await self._heard(message["channel"].decode(), message["data"].decode())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reconnect; the caches' lifetimes cover the gap
                 log.warning("gateway event subscription lost (%s); reconnecting", exc)
-                await asyncio.sleep(1)
             finally:
                 try:
                     await pubsub.aclose()
                 except Exception:  # noqa: BLE001
                     pass
+            pubsub = None
 
     async def _housekeeping(self) -> None:
         while True:
@@ -384,22 +428,9 @@ class Gateway:
         if not principal.may_infer:
             raise InferenceNotAllowed("This key's client may not use the inference API.")
         table = await self.routing.get()
-        listed = dict(table.models)
-        for name in table.splits:  # a split's own name need not be a model: it answers as its first variant
-            if name not in listed:
-                split = splits.applicable(table, name, principal.project_path)
-                target = table.route(split.variants[0]) if split is not None and split.variants else None
-                if target is not None:
-                    listed[name] = target
-        data = []
-        for name, route in sorted(listed.items()):
-            if not principal.allows(name):
-                continue
-            split = splits.applicable(table, name, principal.project_path) if table.splits else None
-            if split is not None and not split.allows_environment(principal.environment):
-                continue
-            data.append({"id": name, "object": "model", "created": 0, "owned_by": "berth", "state": route.state,
-                         "task": route.task})
+        listed = splits.callable_models(table, principal.project_path, principal.environment, principal.allows)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "berth", "state": route.state,
+                 "task": route.task} for name, route in sorted(listed.items())]
         await call.respond(200, orjson.dumps({"object": "list", "data": data}))
 
     async def infer(self, call: Call, endpoint: str, upstream_path: str, required: tuple[str, ...]) -> None:
@@ -421,10 +452,11 @@ class Gateway:
         for field in required:
             if payload.get(field) is None:
                 raise BadRequest(f"`{field}` is required.", param=field)
+        bodies.check(endpoint, payload)
         stream = endpoint in STREAMING and payload.get("stream") is True
         call.stream = stream
         if not principal.allows(model):
-            raise ModelNotAllowed(f"This key may not use the model {model[:200]!r}.", details={"model": model[:200]})
+            raise ModelNotAllowed(f"This key may not use the model {shown(model)!r}.", details={"model": shown(model)})
         table = await self.routing.get()
         served = self._resolve(table, model, principal)
         route = table.route(served)
@@ -436,9 +468,10 @@ class Gateway:
             route = table.route(served)
         if route is None:
             if served != model:
-                raise ModelNotFound(f"The model {served[:200]!r} (a variant of {model[:200]!r}) does not exist.",
-                                    details={"model": model[:200], "variant": served[:200]})
-            raise ModelNotFound(f"The model {model[:200]!r} does not exist.", details={"model": model[:200]})
+                raise ModelNotFound(f"The model {shown(served)!r} (a variant of {shown(model)!r}) does not exist.",
+                                    details={"model": shown(model), "variant": shown(served)})
+            raise ModelNotFound(f"The model {shown(model)!r} does not exist.", details={"model": shown(model)})
+        output_cap = bodies.output_default(endpoint, payload, route)  # refused here, before any limit is spent
         call.model_label = route.name
         try:
             admission = await self.limiter.admit(principal.plan, call.request_id)
@@ -455,12 +488,19 @@ class Gateway:
             if not route.endpoints:
                 route = self._fallback(principal, table, route) or await self._admit_while_loading(call, route)
                 call.model_label = route.name  # a fallback serves under its own name
+                output_cap = bodies.output_default(endpoint, payload, route)  # and within its own cap
+            changed = False
+            if output_cap is not None:  # the request named no limit: the model's cap is its limit
+                payload["max_tokens"] = output_cap
+                changed = True
             if stream:
                 options = payload.get("stream_options")
                 if not isinstance(options, dict) or options.get("include_usage") is not True:
                     payload["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                                  "include_usage": True}
-                    body = orjson.dumps(payload)
+                    changed = True
+            if changed:
+                body = orjson.dumps(payload)
             watcher = asyncio.get_running_loop().create_task(self._watch(call, asyncio.current_task()))
             await self._forward(call, route, upstream_path, body)
         finally:
@@ -481,8 +521,8 @@ class Gateway:
         if not split.allows_environment(principal.environment):
             allowed = sorted(split.environments)
             raise EnvironmentNotAllowed(
-                f"The model {model[:200]!r} may be used by {', '.join(allowed)} clients only; this key's client "
-                f"is {principal.environment}.", details={"model": model[:200], "environments": allowed,
+                f"The model {shown(model)!r} may be used by {', '.join(allowed)} clients only; this key's client "
+                f"is {principal.environment}.", details={"model": shown(model), "environments": allowed,
                                                          "environment": principal.environment})
         return split.choose(principal.client_id)
 

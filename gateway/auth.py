@@ -3,9 +3,13 @@
 A key's plaintext is never kept: entries are indexed by a digest of it. On a miss the principal is
 built in a database thread by Tenancy's single-lookup ``authenticate`` (plus one query for the
 contracts up the tree) and kept ``GATEWAY_AUTH_CACHE_SECONDS``; refusals are kept as long, so a
-flood of bad keys costs one lookup per key and window. A revocation published on Redis drops the
-key's entries at once in every process (``drop_lookup``); an expiry ends the entry when the key
-expires; disabling a client or changing limits takes effect within the window.
+flood of bad keys costs one lookup per key and window. Tenancy announces a key revoked, rotated
+(its expiry moved) or its client deleted or changed (``tenancy.events``): the message drops the
+key's entries at once in every process (``drop_lookup``), over Redis and, in the process that made
+the change, directly — the embedded mode has no Redis. A load under way when the message arrives
+serves only the requests that were already waiting for it: it is not kept, and a request arriving
+later reads the key again. An expiry ends the entry when the key expires; a contract's limits
+change within the window.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class AuthCache:
         self._by_lookup: dict[str, set[bytes]] = {}
         self._inflight: dict[bytes, asyncio.Future] = {}
         self._revoked_at: dict[str, float] = {}  # lookup -> monotonic time of the revocation message
+        self._generation = 0  # bumped by clear(): a load begun before it is not kept
 
     async def principal(self, plaintext: str) -> Principal:
         digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
@@ -93,22 +98,24 @@ class AuthCache:
             return value
         pending = self._inflight.get(digest)
         if pending is None:
-            pending = asyncio.get_running_loop().create_task(self._load(plaintext, digest, now))
+            pending = asyncio.get_running_loop().create_task(self._load(plaintext, digest, now, self._generation))
             self._inflight[digest] = pending
-            pending.add_done_callback(lambda _: self._inflight.pop(digest, None))
+            pending.add_done_callback(lambda done: self._inflight.get(digest) is done and self._inflight.pop(digest))
         return await asyncio.shield(pending)
 
-    async def _load(self, plaintext: str, digest: bytes, started: float) -> Principal:
+    async def _load(self, plaintext: str, digest: bytes, started: float, generation: int) -> Principal:
         try:
             principal, expires_at = await run_db(load_principal, plaintext)
         except BerthError as refusal:
-            self._store(digest, refusal, started + self.ttl, None)
+            if generation == self._generation:
+                self._store(digest, refusal, started + self.ttl, None)
             raise
         until = started + self.ttl
         if expires_at is not None:
             until = min(until, started + max(0.0, expires_at - time.time()))
         revoked = self._revoked_at.get(principal.lookup)
-        if revoked is None or revoked < started:  # a revocation seen while loading: do not trust the row
+        # A revocation (or a lost subscription) seen while loading: the row may predate it, do not keep it.
+        if generation == self._generation and (revoked is None or revoked < started):
             self._store(digest, principal, until, principal.lookup)
         return principal
 
@@ -135,11 +142,17 @@ class AuthCache:
         self._revoked_at = {k: v for k, v in self._revoked_at.items() if v > cutoff}
 
     def drop_lookup(self, lookup: str) -> None:
-        """A key was revoked: forget it now."""
+        """A key was revoked (or changed): forget it now. Loads under way may have read it before:
+        a request from now on does not join them but reads again (which loads under way belong to
+        this key is not known without its plaintext; a revocation is rare, a second read cheap)."""
         self._revoked_at[lookup] = time.monotonic()
         for digest in self._by_lookup.pop(lookup, ()):
             self._entries.pop(digest, None)
+        self._inflight.clear()
 
     def clear(self) -> None:
+        """Forget everything, loads under way included (what was missed cannot be known)."""
+        self._generation += 1
         self._entries.clear()
         self._by_lookup.clear()
+        self._inflight.clear()

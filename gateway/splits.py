@@ -55,6 +55,30 @@ def applicable(table: routing.RoutingTable, model: str, project_path: str) -> Sp
     return None
 
 
+def callable_models(table: routing.RoutingTable, project_path: str, environment: str,
+                    allows) -> dict[str, routing.ModelRoute]:
+    """The names a client of ``project_path`` in ``environment`` may call, with the route each
+    answers as: what ``/v1/models`` lists for its key, and the playground for its person. A split's
+    own name is listed only where the split covers the caller (it answers as its first variant) —
+    another tenant's scoped split stays unseen; ``allows(name)`` is the client's model rule."""
+    listed = dict(table.models)
+    for name in table.splits:  # a split's own name need not be a model
+        if name not in listed:
+            split = applicable(table, name, project_path)
+            target = table.route(split.variants[0]) if split is not None and split.variants else None
+            if target is not None:
+                listed[name] = target
+    found = {}
+    for name, route in listed.items():
+        if not allows(name):
+            continue
+        split = applicable(table, name, project_path) if table.splits else None
+        if split is not None and not split.allows_environment(environment):
+            continue
+        found[name] = route
+    return found
+
+
 def load_splits() -> dict[str, tuple[Split, ...]]:
     """Every enabled split, by the model name it answers to, most specific scope first. One query."""
     from gateway.models import ModelSplit

@@ -167,10 +167,17 @@ class PlaygroundView(LoginRequiredMixin, View):
 
     @staticmethod
     def _choices(request) -> dict:
+        """The caller's clients and what any of them may call — as ``/v1/models`` lists it for each
+        client's key, so a split scoped to another tenant is never named here either."""
         from gateway import splits
 
         table = splits.load_table()
-        return {"clients": _usable_clients(request.user), "models": sorted(set(table.models) | set(table.splits))}
+        usable = _usable_clients(request.user)
+        models = set()
+        for client in usable:
+            models |= set(splits.callable_models(table, client.project.path, client.environment,
+                                                 client.allows_model))
+        return {"clients": usable, "models": sorted(models)}
 
     def get(self, request):
         return render(request, "gateway/playground.html", self._choices(request))

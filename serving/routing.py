@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from berth.errors import Unavailable
 from serving.keys import replica_key
+from serving.catalog import profiles
 from serving.catalog.models import ModelEntry
 from serving.models import Deployment, DeploymentState, Replica
 
@@ -65,6 +66,8 @@ class ModelRoute:
     state: str  # the most hopeful state among the model's deployments
     endpoints: tuple[Endpoint, ...]  # ready replicas
     fallbacks: tuple[str, ...] = ()  # models to serve instead while this one has no ready replica
+    max_output_tokens: int | None = None  # the catalog's cap on one request's generated tokens; None: none
+    context: int | None = None  # the longest context a replica of it runs (tokens); None: not known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,33 +94,54 @@ def _url(address: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def _context(engine: str, config: dict) -> int | None:
+    """The context (tokens) an engine runs with this configuration: llama.cpp's ``context`` (all
+    slots together; Berth starts it at the default when unset), vLLM's ``max_model_len`` (unset:
+    the model's own, not known here)."""
+    value = (config or {}).get(profiles.ENGINE_KEYS.get(engine, {}).get("context", "context"))
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return profiles.DEFAULT_CONTEXT if engine == "llamacpp" else None
+
+
+def _longest(contexts: list[int | None]) -> int | None:
+    """The longest of the contexts, or None when any is not known (unknown is not a bound)."""
+    return None if not contexts or None in contexts else max(contexts)
+
+
 def load_table() -> RoutingTable:
     """Read the whole table: three indexed queries, whatever the fleet's size. A model answers to
     its catalog name and its aliases; an on-demand model with no deployment yet is listed too."""
     names: dict[str, dict] = {}
-    for row in Deployment.objects.filter(state__in=LISTED_STATES).values("name", "task", "state"):
-        entry = names.setdefault(row["name"], {"task": row["task"], "states": set()})
+    for row in Deployment.objects.filter(state__in=LISTED_STATES).values("name", "task", "state", "engine", "config"):
+        entry = names.setdefault(row["name"], {"task": row["task"], "states": set(), "contexts": []})
         entry["states"].add(row["state"])
+        entry["contexts"].append(_context(row["engine"], row["config"]))
     endpoints: dict[str, list[Endpoint]] = {}
     ready = (Replica.objects.filter(state=DeploymentState.READY, deployment__state__in=LOADABLE_STATES)
              .values_list("public_id", "port", "node__address", "deployment__name", "deployment__task"))
     for public_id, port, address, name, task in ready:
         endpoints.setdefault(name, []).append(Endpoint(str(public_id), _url(address, port), replica_key(public_id)))
-        names.setdefault(name, {"task": task, "states": {DeploymentState.READY}})
+        names.setdefault(name, {"task": task, "states": {DeploymentState.READY}, "contexts": []})
     catalog = {row["name"]: row for row in ModelEntry.objects.values("name", "task", "aliases", "fallbacks",
-                                                                     "scaling_min")}
+                                                                     "scaling_min", "max_output_tokens", "profiles")}
     for name, row in catalog.items():
         # An on-demand model with no deployment yet is still routable: its first request loads it.
         if name not in names and row["scaling_min"] == 0:
-            names[name] = {"task": row["task"], "states": {DeploymentState.STOPPED}}
+            names[name] = {"task": row["task"], "states": {DeploymentState.STOPPED}, "contexts": []}
     models = {}
     for name, entry in names.items():
         found = endpoints.get(name, [])
         states = entry["states"] | ({DeploymentState.READY} if found else set())
         state = next((s for s in _STATE_ORDER if s in states), DeploymentState.UNKNOWN)
         row = catalog.get(name) or {}
+        # What runs bounds a request; before anything runs, what the catalog's profiles would run.
+        contexts = entry["contexts"] or [_context(profiles.engine(p), profiles.engine_config(p))
+                                         for p in row.get("profiles") or ()
+                                         if isinstance(p, dict) and profiles.engine(p) in profiles.ENGINE_KEYS]
         models[name] = ModelRoute(name=name, task=entry["task"], state=str(state), endpoints=tuple(found),
-                                  fallbacks=tuple(f for f in row.get("fallbacks") or () if f != name))
+                                  fallbacks=tuple(f for f in row.get("fallbacks") or () if f != name),
+                                  max_output_tokens=row.get("max_output_tokens"), context=_longest(contexts))
     for name, row in catalog.items():
         for alias in row["aliases"] or ():
             if name in models and alias not in models:

@@ -42,8 +42,8 @@ class ModelEntrySerializer(serializers.ModelSerializer):
         fields = ["public_id", "name", "aliases", "description", "task", "owner", "source_kind", "source_repo",
                   "source_revision", "source_path", "source_package", "format", "quantisation", "architecture",
                   "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class",
-                  "pinned", "fallbacks", "draft", "fingerprint", "measured_tokens_per_second", "files", "created_at",
-                  "updated_at"]
+                  "pinned", "fallbacks", "draft", "max_output_tokens", "fingerprint", "measured_tokens_per_second",
+                  "files", "created_at", "updated_at"]
 
     def get_measured_tokens_per_second(self, entry) -> dict[str, float]:
         speeds = self.context.get("speeds")
@@ -75,6 +75,10 @@ class ModelPlacementSerializer(serializers.Serializer):
                                                     "decoding) in the same engine; empty: none.")
     pinned = serializers.BooleanField(required=False, help_text="Always resident, even at minimum 0; its replicas "
                                                                 "are never evicted or preempted.")
+    max_output_tokens = serializers.IntegerField(
+        required=False, allow_null=True,
+        help_text="The most tokens one request may generate: the gateway refuses a larger max_tokens "
+                  "(max_tokens_above_cap) and sends this one when a request names none; null: no cap of its own.")
     owner = serializers.CharField(
         required=False, allow_null=True, allow_blank=True,
         help_text="A scope (project:acme/ml/search, its path or id) where you are member or above; "
@@ -125,7 +129,7 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
 
     @extend_schema(request=ModelPlacementSerializer, responses=ModelEntrySerializer)
     def partial_update(self, request, public_id=None):
-        """Change the minimum, maximum, capacity class, idle timeout, pin, fallbacks, draft or owner —
+        """Change the minimum, maximum, capacity class, idle timeout, pin, fallbacks, draft, output cap or owner —
         the console card's rules: a refusal names the field in ``details.problems``."""
         from serving.catalog.views import held_entries
 
@@ -156,7 +160,8 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
         """Where the model runs, and how many more replicas fit where (headroom, or the fit planner)."""
         from serving.catalog.views import held_entries
 
-        entry = next(e for e in held_entries(request.user) if e.pk == self.get_object().pk)
+        target = self.get_object()  # first: one outside the caller's reach is a 404, not an empty search
+        entry = next(e for e in held_entries(request.user) if e.pk == target.pk)
         more = room.room_for_more(entry)
         return Response({"placement": entry.placement, "more": more.more, "nodes": more.nodes,
                          "blocked": more.blocked, "source": more.source, "per_replica_bytes": more.per_replica_bytes,

@@ -24,7 +24,8 @@ from tenancy.audit import Actor
 VLLM_DEFAULT_PARALLEL = 16  # a new vLLM profile's max_num_seqs: the estimate holds KV for this many full sequences
 ENTRY_FIELDS = ("name", "aliases", "description", "task", "source_kind", "source_repo", "source_revision",
                 "source_path", "source_package", "format", "quantisation", "architecture", "profiles", "scaling_min",
-                "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks", "draft", "pinned")
+                "scaling_max", "idle_timeout_seconds", "service_class", "fallbacks", "draft", "pinned",
+                "max_output_tokens")
 
 
 def suggest_name(repo: str) -> str:
@@ -44,7 +45,7 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
     defaults = {"aliases": [], "description": "", "task": "chat", "source_repo": "", "source_revision": "",
                 "source_path": "", "source_package": "", "quantisation": "", "architecture": "", "scaling_min": 0,
                 "scaling_max": 1, "idle_timeout_seconds": None, "service_class": "", "fallbacks": [],
-                "draft": "", "pinned": False}
+                "draft": "", "pinned": False, "max_output_tokens": None}
     merged = {**defaults, **(as_fields(entry) if entry else {}), **fields}
     validation.require_valid(merged)
     clash = ModelEntry.objects.filter(name=merged["name"]).exclude(pk=entry.pk if entry else None).first()

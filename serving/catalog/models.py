@@ -69,6 +69,10 @@ class ModelEntry(models.Model):
                                        "loaded in the same engine.")
     pinned = models.BooleanField(default=False, help_text="Always resident, even at minimum 0; its replicas are "
                                                           "never evicted or preempted.")
+    max_output_tokens = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="The most tokens one request may generate: the gateway refuses more and sends this when the "
+                  "request names none. Empty: no cap of its own (the context still bounds it).")
     fingerprint = models.CharField(max_length=16, blank=True, db_index=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")

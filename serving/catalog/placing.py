@@ -1,13 +1,14 @@
 """A catalog model's placement as a person changes it: always running (the minimum), at most under
 load (the maximum), capacity class, idle timeout, pinned (always resident, never evicted), the
-models that stand in for it (fallbacks), the model that drafts for it (speculative decoding) and owner.
+models that stand in for it (fallbacks), the model that drafts for it (speculative decoding), the
+most tokens one request may generate (the gateway's cap) and owner.
 
 The console card and the API's PATCH both call ``change``, so one set of rules holds for both:
 
 * changing a model takes member (``use``) on its owner; a shared model is the administrators';
 * moving it to another owner takes the same on the new one; making it shared, an administrator;
 * the entry is checked whole (``validation``: max ≥ min, a known class or automatic, a timeout of
-  at least a second or the default);
+  at least a second or the default, an output cap of at least one token or none);
 * fallbacks and the draft name models the catalog holds;
 * a raised minimum must be one placement can meet (``room.check_scaling`` says why not); a pinned
   model wants at least one replica.
@@ -33,10 +34,11 @@ from tenancy.errors import Forbidden
 from tenancy.models import Scope
 from tenancy.services.tree import resolve_scope
 
-FIELDS = ("scaling_min", "scaling_max", "service_class", "idle_timeout_seconds", "pinned", "fallbacks", "draft")
+FIELDS = ("scaling_min", "scaling_max", "service_class", "idle_timeout_seconds", "pinned", "fallbacks", "draft",
+          "max_output_tokens")
 LABELS = {"scaling_min": "Always running", "scaling_max": "At most under load", "service_class": "Capacity class",
           "idle_timeout_seconds": "Idle timeout", "pinned": "Pinned", "fallbacks": "Fallbacks", "draft": "Draft model",
-          "owner": "Owner"}
+          "max_output_tokens": "Max output tokens", "owner": "Owner"}
 
 
 class _Keep:
@@ -157,6 +159,10 @@ def change(actor: Actor, entry: ModelEntry, values: dict[str, Any], *, owner: An
             if changed:  # scoped to the previous owner: its log shows a model that left it
                 audit.record(actor, "catalog.model.placement", entry, scope=previous,
                              details={"name": entry.name, "changes": changed})
+            if {"max_output_tokens", "fallbacks"} & set(changed):  # the gateways route by them: reload now
+                from serving import routing
+
+                transaction.on_commit(routing.publish_changed)
     except BaseException:
         entry.owner = previous
         raise

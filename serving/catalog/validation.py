@@ -15,6 +15,7 @@ ENGINES = ("llamacpp", "vllm")
 TASKS = ("chat", "completion", "embedding", "rerank")
 CLASSES = ("", "critical", "standard", "opportunistic")  # "": automatic (the placement policy's rule)
 FORMATS = ("gguf", "safetensors")
+MAX_OUTPUT_TOKENS = 2**31 - 1  # what the engines take (llama.cpp's n_predict is an int32)
 
 
 def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
@@ -91,6 +92,10 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
 
         problem("idle_timeout_seconds", f"Seconds, at least 1 (not {timeout!r}), or empty for the default "
                                         f"({DEFAULT_IDLE_SECONDS} s).")
+    cap = entry.get("max_output_tokens")
+    if cap is not None and (not _whole(cap) or not 1 <= cap <= MAX_OUTPUT_TOKENS):
+        problem("max_output_tokens", f"A whole number of tokens, 1 to {MAX_OUTPUT_TOKENS} (not {cap!r}), or empty "
+                                     f"for no cap of its own.")
     service_class = entry.get("service_class")
     if service_class not in CLASSES:
         named = ", ".join(c for c in CLASSES if c)

@@ -125,11 +125,12 @@ class ModelCardView(LoginRequiredMixin, PageView):
         values = {**placement_values(entry),
                   **{key: request.POST[key].strip() for key in (*placing.FIELDS, "owner") if key in request.POST}}
         changes = {key: values[key] for key in placing.FIELDS if key in request.POST}
-        for key in ("scaling_min", "scaling_max", "idle_timeout_seconds"):
+        for key in ("scaling_min", "scaling_max", "idle_timeout_seconds", "max_output_tokens"):
             if key in changes:
                 changes[key] = _number(changes[key])
-        if changes.get("idle_timeout_seconds") == "":
-            changes["idle_timeout_seconds"] = None  # blank: the default
+        for key in ("idle_timeout_seconds", "max_output_tokens"):
+            if changes.get(key) == "":
+                changes[key] = None  # blank: the default, no cap
         if "pinned" in changes:  # a hidden "off" comes before the checkbox: the last value sent wins
             changes["pinned"] = {"on": True, "off": False}.get(changes["pinned"], changes["pinned"])
         if "fallbacks" in changes:  # typed as names between commas
@@ -166,6 +167,7 @@ def placement_values(entry: ModelEntry) -> dict[str, str]:
             "service_class": entry.service_class,
             "idle_timeout_seconds": "" if entry.idle_timeout_seconds is None else str(entry.idle_timeout_seconds),
             "pinned": "on" if entry.pinned else "off", "fallbacks": ", ".join(entry.fallbacks or []),
+            "max_output_tokens": "" if entry.max_output_tokens is None else str(entry.max_output_tokens),
             "draft": entry.draft, "owner": str(entry.owner.public_id) if entry.owner else ""}
 
 
@@ -177,8 +179,9 @@ def describe_placement(entry: ModelEntry) -> str:
     owner = entry.owner.written if entry.owner else "shared"
     stand_ins = f", falls back to {', '.join(entry.fallbacks)}" if entry.fallbacks else ""
     draft = f", drafted by {entry.draft}" if entry.draft else ""
+    cap = f", at most {entry.max_output_tokens} output tokens a request" if entry.max_output_tokens else ""
     return (f"at least {entry.scaling_min}, at most {entry.scaling_max} replicas, class {kind}, "
-            f"idle timeout {idle}, {'pinned' if entry.pinned else 'not pinned'}{stand_ins}{draft}, owner {owner}")
+            f"idle timeout {idle}, {'pinned' if entry.pinned else 'not pinned'}{stand_ins}{draft}{cap}, owner {owner}")
 
 
 class ExploreView(LoginRequiredMixin, View):

@@ -26,9 +26,10 @@ pytestmark = pytest.mark.llama  # the engine fixtures below start llama-server
 
 
 class GatewayProcess:
-    """``uvicorn berth.asgi:application`` as its own process, stopped by its PID."""
+    """``uvicorn berth.asgi:application`` as its own process, stopped by its PID. ``settings`` are
+    ``BERTH_GATEWAY_*`` values; ``environ`` overrides any other variable (``REDIS_URL=""``: embedded)."""
 
-    def __init__(self, log_path: Path, **settings):
+    def __init__(self, log_path: Path, environ: dict | None = None, **settings):
         db = connection.settings_dict
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -37,6 +38,7 @@ class GatewayProcess:
                    BERTH_GATEWAY_AUTH_CACHE_SECONDS="30", BERTH_GATEWAY_ROUTING_TTL_MS="200",
                    BERTH_GATEWAY_USAGE_FLUSH_MS="100", BERTH_LOG_LEVEL="INFO")
         env.update({f"BERTH_GATEWAY_{name.upper()}": str(value) for name, value in settings.items()})
+        env.update(environ or {})
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "berth.asgi:application", "--host", "127.0.0.1", "--port",

@@ -98,6 +98,23 @@ def test_concurrency_limit(gateway, chat_engine, deploy, make_key):
     wait_until(lambda: chat(1).status_code == 200, 5, what="the slot free again")
 
 
+def softening_approved(tree):
+    """Turning a hard budget soft needs a second person's approval: two admins of the org, one asks."""
+    from django.contrib.auth import get_user_model
+
+    from tenancy.audit import Actor
+    from tenancy.models import Membership
+    from tenancy.services import approvals
+
+    asker, decider = (get_user_model().objects.create_user(f"{tree.org.slug}-{n}") for n in ("asker", "decider"))
+    for user in (asker, decider):
+        Membership.objects.create(user=user, scope=tree.org, role="admin")
+    evidence = contracts.raise_limit_evidence(tree.org, budget_mode="soft")
+    approval = approvals.request_approval(Actor(user=asker), "contract.raise_limit", tree.org, tree.org, evidence,
+                                          "warn only")
+    return approvals.decide(Actor(user=decider), approval, True)
+
+
 def test_hard_budget_refuses_once_spent_and_soft_budget_warns(gateway, gateway_b, tiny_engine, deploy, make_key,
                                                              tree):
     deploy("tiny", tiny_engine, task="completion")
@@ -108,7 +125,8 @@ def test_hard_budget_refuses_once_spent_and_soft_budget_warns(gateway, gateway_b
     answer = wait_until(lambda: (a := complete(gateway_b, caller.key)).status_code == 429 and a, 10,
                         what="the budget refusal")
     assert answer.json()["error"]["code"] == "budget_exceeded" and int(answer.headers["retry-after"]) >= 1
-    contracts.set_contract(tree.actor, tree.org, daily_token_budget=20, budget_mode="soft")
+    contracts.set_contract(tree.actor, tree.org, daily_token_budget=20, budget_mode="soft",
+                           approval=softening_approved(tree))
     soft = make_key()  # a new key: its limits are read fresh
     answer = complete(gateway, soft.key)
     assert answer.status_code == 200 and "x-berth-budget-warning" in answer.headers
