@@ -9,6 +9,7 @@ from __future__ import annotations
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404
 from rest_framework import exceptions as drf
+from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 
 from berth.errors import BerthError
@@ -52,3 +53,11 @@ def exception_handler(exc, context):
     if getattr(exc, "wait", None) is not None:
         headers["Retry-After"] = str(int(exc.wait))
     return Response(error_body(code, message, details), status=exc.status_code, headers=headers)
+
+
+class Pagination(LimitOffsetPagination):
+    """Every API list's pages: ``?limit=`` (default ``PAGE_SIZE``) and ``?offset=``. A limit above
+    ``max_limit`` is clamped to it, as DRF users expect, rather than reaching the database as a
+    number it cannot hold (2**63 was a server error)."""
+
+    max_limit = 1000

@@ -2,8 +2,8 @@
 
 A caller is a person (``User``) or a service client acting through a management key. A person's
 role on a scope is the highest role of their memberships on that scope or any ancestor: a role holds
-for everything below it. A management client acts as an admin of its own project. Superusers may
-do everything.
+for everything below it. A management client acts as an admin of its own project, but never above the
+role that the person who gave it management access holds there now. Superusers may do everything.
 
 ``can`` answers one question for one object; ``visible_to`` narrows any queryset of tenancy-scoped
 rows to what the caller may see; ``require`` turns a "no" into the right error — a 404 when the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.db.models import Q, QuerySet
 
 from tenancy.errors import Forbidden
@@ -51,9 +52,7 @@ def roles(caller: Any) -> dict[str, str]:
     """{scope path: role} of the caller's own grants (not inherited), one query."""
     principal = _principal(caller)
     if isinstance(principal, ServiceClient):
-        if principal.is_active and principal.may_manage:
-            return {principal.project.path: Role.ADMIN}
-        return {}
+        return _client_roles(principal)
     if principal is None or not getattr(principal, "is_authenticated", False) or not principal.is_active:
         return {}
     cache = getattr(principal, "_berth_roles", None)
@@ -61,6 +60,27 @@ def roles(caller: Any) -> dict[str, str]:
         cache = dict(Membership.objects.filter(user=principal).values_list("scope__path", "role"))
         principal._berth_roles = cache  # per request: the user object lives as long as the request
     return cache
+
+
+def _client_roles(client: ServiceClient) -> dict[str, str]:
+    if not (client.is_active and client.may_manage):
+        return {}
+    # Cached on the instance (one per request, as for people), keyed by what the answer rests on so an
+    # update of this very instance is not answered from before it.
+    key = (client.access, client.is_active, client.project_id, client.granted_by_id)
+    cached = getattr(client, "_berth_roles", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    role = Role.ADMIN
+    if client.granted_by_id is not None:
+        # Never above its granter's role now: a member cannot make a client that acts as an admin, and
+        # demoting or removing the granter demotes the client too.
+        granter = get_user_model().objects.filter(pk=client.granted_by_id).first()
+        held = role_on(granter, client.project) if granter is not None else None
+        role = held if held is None or ROLE_RANK[held] < ROLE_RANK[Role.ADMIN] else Role.ADMIN
+    grants = {client.project.path: role} if role else {}
+    client._berth_roles = (key, grants)
+    return grants
 
 
 def forget_roles(caller: Any) -> None:

@@ -31,6 +31,10 @@ class InUse(Conflict):
     code = "in_use"
 
 
+class LastOwner(Conflict):
+    code = "last_owner"
+
+
 class Forbidden(PermissionDenied):
     code = "permission_denied"
 

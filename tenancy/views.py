@@ -208,7 +208,7 @@ class ScopeView(ConsolePage):
         clients = (access.visible_to(user, ServiceClient.objects.all(), "project")
                    .filter(Q(project__path=scope.path) | Q(project__path__startswith=scope.path + "/"))
                    .select_related("project").annotate(working_keys=_working_keys()))
-        chain = [c for c in contract_service.limit_chain(scope) if access.can(user, "view", c.scope)]
+        chain = contract_service.visible_chain(user, scope)
         context.update(
             scope=scope, child_kind=CHILD_KIND.get(scope.kind),
             may_change=self.may("change", scope), may_use=self.may("use", scope),
@@ -400,7 +400,9 @@ def client_context(request, client, **extra) -> dict:
     usable = _production_approvals(request.user, client)
     chosen = request.GET.get("approval")
     return {
-        "client": client, "keys": key_table(request, client), "may_use": access.can(request.user, "use", client),
+        "client": client, "keys": key_table(request, client),
+        # The key form shows to whoever may mint one (an admin, for a client with management access).
+        "may_use": access.can(request.user, client_service.key_action(client), client),
         "key_form": KeyForm(approvals=usable, initial={"approval": chosen}), "rotate_form": RotateForm(),
         **extra,
     }
@@ -525,7 +527,7 @@ class ContractView(ConsoleMixin, View):
                             status=ApprovalRequest.Status.APPROVED, expires_at__gt=timezone.now()))
 
     def _render(self, scope, form, status=200, **extra):
-        chain = [c for c in contract_service.limit_chain(scope) if access.can(self.request.user, "view", c.scope)]
+        chain = contract_service.visible_chain(self.request.user, scope)
         return render(self.request, self.template_name,
                       {"scope": scope, "form": form, "chain": ContractChainTable(chain), **extra}, status=status)
 

@@ -125,12 +125,15 @@ class ServiceClientSerializer(serializers.ModelSerializer):
     id = serializers.UUIDField(source="public_id", read_only=True)
     project = serializers.UUIDField(source="project.public_id", read_only=True)
     project_written = serializers.CharField(source="project.written", read_only=True)
+    granted_by = serializers.CharField(
+        source="granted_by.username", read_only=True, allow_null=True, default=None,
+        help_text="Who gave it management access: it never acts above their role on its project (unset: Berth).")
 
     class Meta:
         model = ServiceClient
         fields = ["id", "project", "project_written", "name", "description", "all_models", "allowed_models",
-                  "environment", "access", "rpm_limit", "tpm_limit", "concurrency_limit", "priority", "is_active",
-                  "created_at"]
+                  "environment", "access", "granted_by", "rpm_limit", "tpm_limit", "concurrency_limit", "priority",
+                  "is_active", "created_at"]
 
 
 class _ClientFields(serializers.Serializer):
@@ -245,7 +248,8 @@ class ContractSerializer(serializers.ModelSerializer):
 
 class ContractSetSerializer(ContractFigures):
     approval = serializers.UUIDField(required=False, allow_null=True, default=None,
-                                     help_text="An approved request's id (raising or removing a limit needs one).")
+                                     help_text="An approved request's id (raising or removing a limit, softening a "
+                                               "hard budget or raising a guarantee needs one).")
 
 
 class CapacityCheckSerializer(serializers.Serializer):

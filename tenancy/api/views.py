@@ -21,9 +21,12 @@ from berth.errors import InvalidInput
 from tenancy import access, filtersets
 from tenancy.api import serializers as s
 from tenancy.audit import Actor
-from tenancy.errors import ApprovalStale, ScopeNotFound
+from tenancy.errors import ScopeNotFound
 from tenancy.models import ApprovalRequest, AuditEvent, Contract, Credential, Membership, Scope, ServiceClient
 from tenancy.services import approvals, clients, contracts, members, tree
+
+
+UUID_PATTERN = "[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}"
 
 
 class TenancyViewSet(viewsets.GenericViewSet):
@@ -32,7 +35,9 @@ class TenancyViewSet(viewsets.GenericViewSet):
     cannot happen). An object outside that reach is a 404 — never a 403 that confirms it exists."""
 
     lookup_field = "public_id"
-    lookup_value_converter = "uuid"
+    # Only a UUID routes to an object, so anything else is a 404 from the URL itself and no lookup ever
+    # hands the database a value it cannot compare (the routers here match regular expressions).
+    lookup_value_regex = UUID_PATTERN
     filter_backends = [DjangoFilterBackend]
     # The path from a row to its Scope, as ``access.visible_to`` takes it ("" for Scopes themselves).
     scope_field = "scope"
@@ -154,9 +159,10 @@ class MembershipViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenanc
     partial_update=extend_schema(request=s.ServiceClientUpdateSerializer, responses=s.ServiceClientSerializer),
 )
 class ServiceClientViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenancyViewSet):
-    """Machine identities of projects; members of a project manage its clients."""
+    """Machine identities of projects; members of a project manage its clients, admins those with
+    management access (and their keys)."""
 
-    queryset = ServiceClient.objects.select_related("project")
+    queryset = ServiceClient.objects.select_related("project", "granted_by")
     serializer_class = s.ServiceClientSerializer
     filterset_class = filtersets.ServiceClientFilterSet
     scope_field = "project"
@@ -232,7 +238,8 @@ SCOPE_ID = OpenApiParameter("scope_id", OpenApiTypes.UUID, OpenApiParameter.PATH
 class ContractViewSet(mixins.ListModelMixin, TenancyViewSet):
     """Capacity contracts, addressed by their scope's id: ``/contracts/<scope id>/`` reads (an empty
     contract when the scope has none yet) and sets them. PUT sets every figure (absent ones are
-    cleared); PATCH only those given. Raising or removing a limit needs an approved request."""
+    cleared); PATCH only those given. Raising or removing a limit, softening a hard budget and raising
+    or setting a guarantee need an approved request."""
 
     queryset = Contract.objects.select_related("scope")
     serializer_class = s.ContractSerializer
@@ -276,10 +283,10 @@ class ContractViewSet(mixins.ListModelMixin, TenancyViewSet):
                    responses=s.ContractSerializer(many=True))
     @action(detail=False, methods=["get"], filter_backends=[], pagination_class=None)
     def chain(self, request):
-        """The contracts that limit a scope, nearest first: its own, then its ancestors'. The limits
-        above a scope bind it, so whoever may see the scope may see them."""
+        """The contracts that limit a scope, nearest first: its own, then its ancestors' — those of
+        scopes the caller may view, as reading each contract directly (and the console) would answer."""
         scope = tree.resolve_scope(request.query_params.get("scope", ""), self.visible_scopes())
-        chain = contracts.limit_chain(scope)
+        chain = contracts.visible_chain(request.user, scope)
         return Response(s.ContractSerializer(chain, many=True, context=self.get_serializer_context()).data)
 
 
@@ -299,34 +306,36 @@ class ApprovalRequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, T
     def create(self, request):
         data = self.parsed(s.ApprovalAskSerializer)
         action_name = data["action"]
-        if action_name == "contract.raise_limit":
-            scope, subject, evidence = self._raise_limit(data)
-        elif action_name == "credential.create_production":
-            scope, subject, evidence = self._production_key(data)
-        elif action_name in approvals.POLICIES:
+        subjects = {"contract.raise_limit": self._raise_limit, "credential.create_production": self._production_key}
+        if action_name in approvals.POLICIES and action_name not in subjects:
             raise InvalidInput(f"Approvals for {action_name} are asked for where that action happens.",
                                details={"action": "not requestable here"})
-        else:
+        if action_name not in subjects:
             raise InvalidInput(f"{action_name!r} needs no approval.",
                                details={"action": f"one of {', '.join(sorted(approvals.POLICIES))}"})
-        if data.get("fingerprint") and data["fingerprint"] != approvals.fingerprint(evidence):
-            raise ApprovalStale("Things changed since that approval_required answer: look at the evidence as it "
-                                "is now and ask again.", details={"now": evidence,
-                                                                   "fingerprint": approvals.fingerprint(evidence)})
-        approval = approvals.request_approval(self.actor, action_name, scope, subject, evidence, data["reason"])
+        scope, subject, evidence_now = subjects[action_name](data)
+        # Who may ask, before anything about the evidence: a viewer gets a 403, not a verdict on it.
+        approvals.require_asker(self.actor, action_name, scope)
+        approval = approvals.request_approval(self.actor, action_name, scope, subject, evidence_now(), data["reason"],
+                                              expected_fingerprint=data.get("fingerprint"))
         return self.render(approval, status_code=status.HTTP_201_CREATED)
 
     def _raise_limit(self, data):
+        """(scope, subject, a function building the evidence): built only once the caller may ask."""
         scope = data.get("scope")
         if scope is None:
             raise InvalidInput("Name the scope whose contract changes.", details={"scope": "required"})
-        proposed = data.get("proposed")
-        if proposed is None and data.get("evidence"):
-            proposed = data["evidence"].get("proposed")
-        if not isinstance(proposed, dict) or not proposed:
-            raise InvalidInput("Give the proposed figures (or the evidence of an approval_required answer).",
-                               details={"proposed": "required"})
-        return scope, scope, contracts.raise_limit_evidence(scope, **proposed)
+
+        def evidence():
+            proposed = data.get("proposed")
+            if proposed is None and data.get("evidence"):
+                proposed = data["evidence"].get("proposed")
+            if not isinstance(proposed, dict) or not proposed:
+                raise InvalidInput("Give the proposed figures (or the evidence of an approval_required answer).",
+                                   details={"proposed": "required"})
+            return contracts.raise_limit_evidence(scope, **proposed)
+
+        return scope, scope, evidence
 
     def _production_key(self, data):
         if data.get("subject") is None:
@@ -335,13 +344,17 @@ class ApprovalRequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, T
         client = get_object_or_404(access.visible_to(self.request.user,
                                                      ServiceClient.objects.select_related("project"), "project"),
                                    public_id=data["subject"])
-        if client.environment != ServiceClient.Environment.PRODUCTION:
-            raise InvalidInput(f"{client} is not a production client: its keys need no approval.",
-                               details={"subject": "not production"})
-        if data.get("scope") is not None and data["scope"] != client.project:
-            raise InvalidInput(f"{client} belongs to {client.project.written}, not {data['scope'].written}.",
-                               details={"scope": "not the client's project"})
-        return client.project, client, clients.production_evidence(client)
+
+        def evidence():
+            if client.environment != ServiceClient.Environment.PRODUCTION:
+                raise InvalidInput(f"{client} is not a production client: its keys need no approval.",
+                                   details={"subject": "not production"})
+            if data.get("scope") is not None and data["scope"] != client.project:
+                raise InvalidInput(f"{client} belongs to {client.project.written}, not {data['scope'].written}.",
+                                   details={"scope": "not the client's project"})
+            return clients.production_evidence(client)
+
+        return client.project, client, evidence
 
     @extend_schema(request=s.DecisionSerializer, responses=s.ApprovalRequestSerializer)
     @action(detail=True, methods=["post"])

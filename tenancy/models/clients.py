@@ -38,6 +38,12 @@ class ServiceClient(models.Model):
     concurrency_limit = models.PositiveIntegerField(null=True, blank=True)
     priority = models.CharField(max_length=8, choices=Priority.choices, default=Priority.NORMAL)
     is_active = models.BooleanField(default=True)
+    # Whoever gave the client management access: it never acts above their role on its project, now
+    # (demote them and the client follows). Unset: Berth itself gave it (manage.py as the system).
+    # PROTECT, so that deleting the person cannot turn the client into one Berth itself trusts.
+    granted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT,
+                                   related_name="+",
+                                   help_text="Who gave it management access; it never acts above their role.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

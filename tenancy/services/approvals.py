@@ -41,7 +41,8 @@ def register_policy(action: str, description: str) -> Policy:
     return policy
 
 
-register_policy("contract.raise_limit", "Raising a limit of a capacity contract (or removing one).")
+register_policy("contract.raise_limit", "Raising a limit of a capacity contract (or removing one), softening a "
+                "hard budget, or raising a guarantee.")
 register_policy("credential.create_production", "Creating an API key for a production service client.")
 
 
@@ -59,16 +60,27 @@ def needed(action: str, evidence: Any, scope: Scope) -> dict:
     return {"action": action, "scope": scope.written, "evidence": evidence, "fingerprint": fingerprint(evidence)}
 
 
-def request_approval(actor: Actor, action: str, scope: Scope, subject: Any, evidence: Any,
-                     reason: str) -> ApprovalRequest:
+def require_asker(actor: Actor, action: str, scope: Scope) -> None:
+    """Whether ``actor`` may ask for ``action`` on ``scope``. Checked before anything is read about
+    the evidence, so a caller who may not ask gets a 403 (or 404), never an answer about the evidence."""
     if action not in POLICIES:
         raise InvalidTree(f"{action!r} needs no approval.", details={"actions": sorted(POLICIES)})
     if actor.user is None:
         raise FourEyes("Approvals are asked for and decided by people, not service clients.")
     access.require(actor, "use", scope)
+
+
+def request_approval(actor: Actor, action: str, scope: Scope, subject: Any, evidence: Any,
+                     reason: str, *, expected_fingerprint: str | None = None) -> ApprovalRequest:
+    """Ask for ``action``. ``expected_fingerprint``: that of the approval_required answer the caller
+    acts on; refused as stale when the evidence rebuilt now differs from it."""
+    require_asker(actor, action, scope)
     reason = (reason or "").strip()
     if not reason:
         raise InvalidTree("Say why: an approval request needs a reason.", details={"reason": "required"})
+    if expected_fingerprint and expected_fingerprint != fingerprint(evidence):
+        raise ApprovalStale("Things changed since that approval_required answer: look at the evidence as it is now "
+                            "and ask again.", details={"now": evidence, "fingerprint": fingerprint(evidence)})
     subject_type, subject_id, subject_repr = subject_ref(subject)
     with transaction.atomic():
         approval = ApprovalRequest.objects.create(

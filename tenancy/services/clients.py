@@ -41,17 +41,39 @@ def _validate_client(fields: dict) -> dict:
     return fields
 
 
+def _manages(access_value: str) -> bool:
+    return access_value in (ServiceClient.Access.MANAGEMENT, ServiceClient.Access.BOTH)
+
+
+def _granter(actor: Actor):
+    """Whose role caps a management client that ``actor`` makes: the person acting, or, for a
+    management client acting, its own granter (so a chain of clients never climbs above one person)."""
+    if actor.user is not None:
+        return actor.user
+    return actor.client.granted_by if actor.client is not None else None  # None: Berth itself
+
+
+def key_action(client: ServiceClient) -> str:
+    """What a key of ``client`` takes to mint or rotate: whoever holds a management key acts with the
+    client's role, so it takes that role (admin) to get one; an inference key takes a member."""
+    return "change" if client.may_manage else "use"
+
+
 def create_client(actor: Actor, project: Scope, name: str, **fields) -> ServiceClient:
     if project.kind != Scope.Kind.PROJECT:
         raise InvalidTree(f"Service clients belong to projects; {project.written} is not one.")
     access.require(actor, "use", project)
+    if _manages(fields.get("access")):
+        # A management client acts as an admin of its project: only an admin gives one.
+        access.require(actor, "change", project)
     name = (name or "").strip()
     if not name or len(name) > 100:
         raise InvalidTree("A service client needs a name of 1 to 100 characters.", details={"name": "1-100 characters"})
     _validate_client(fields)
+    granted_by = _granter(actor) if _manages(fields.get("access")) else None
     try:
         with transaction.atomic():
-            client = ServiceClient.objects.create(project=project, name=name, **fields)
+            client = ServiceClient.objects.create(project=project, name=name, granted_by=granted_by, **fields)
             audit.record(actor, "client.create", client, details={"name": name, **fields})
     except IntegrityError:
         raise AlreadyExists(f"{project.path} already has a client named {name!r}.") from None
@@ -59,15 +81,50 @@ def create_client(actor: Actor, project: Scope, name: str, **fields) -> ServiceC
 
 
 def update_client(actor: Actor, client: ServiceClient, **fields) -> ServiceClient:
+    """Change what a client may do. Whatever touches management access (giving it, or changing a
+    client that has it) takes an admin. Moving a client into production revokes every key it holds:
+    they were minted without the approval a production key needs (new ones need it as usual)."""
     access.require(actor, "use", client)
-    _validate_client(fields)
     with transaction.atomic():
-        before = {name: getattr(client, name) for name in fields}
-        for name, value in fields.items():
+        # Locked, so a key minted or rotated concurrently either sees the new state or is revoked with
+        # the others (create_credential and rotate_credential lock the client too).
+        current = ServiceClient.objects.select_for_update().get(pk=client.pk)
+        if current.may_manage or _manages(fields.get("access")):
+            access.require(actor, "change", current)
+        _validate_client(fields)
+        before = {name: getattr(current, name) for name in fields}
+        update = dict(fields)
+        if _manages(fields.get("access")) and not current.may_manage:
+            update["granted_by"] = _granter(actor)
+        for name, value in update.items():
             setattr(client, name, value)
-        client.save(update_fields=list(fields) or None)
-        audit.record(actor, "client.update", client, details={"before": before, "after": fields})
+        client.save(update_fields=list(update) or None)
+        details = {"before": before, "after": fields}
+        if "granted_by" in update:
+            details["management_granted_by"] = actor.written
+        if fields.get("environment") == ServiceClient.Environment.PRODUCTION \
+                and current.environment != ServiceClient.Environment.PRODUCTION:
+            details["revoked"] = _revoke_all(actor, client, "moved to production: minted without its approval")
+        audit.record(actor, "client.update", client, details=details)
+        # What a gateway knows of the keys still working (active, models, limits) is stale now.
+        events.credentials_changed(_working_lookups(client))
+    access.forget_roles(client)
     return client
+
+
+def _revoke_all(actor: Actor, client: ServiceClient, reason: str) -> list[str]:
+    """Revoke every key ``client`` holds now, one audit event each, announced to the gateways as
+    ``revoke_credential`` does; returns their prefixes. Call inside a transaction holding the client's lock."""
+    now = timezone.now()
+    credentials = list(Credential.objects.select_for_update().filter(client=client, revoked_at__isnull=True)
+                       .order_by("pk"))
+    Credential.objects.filter(pk__in=[c.pk for c in credentials]).update(revoked_at=now)
+    for credential in credentials:
+        credential.revoked_at = now
+        credential.client = client
+        audit.record(actor, "credential.revoke", credential, details={"prefix": credential.prefix, "reason": reason})
+        events.credential_revoked(credential.lookup)
+    return [credential.prefix for credential in credentials]
 
 
 def delete_client(actor: Actor, client: ServiceClient) -> None:
@@ -76,7 +133,13 @@ def delete_client(actor: Actor, client: ServiceClient) -> None:
     with transaction.atomic():
         audit.record(actor, "client.delete", client, details={"name": client.name,
                                                               "credentials": client.credentials.count()})
+        events.credentials_changed(_working_lookups(client))  # read before the keys are gone with it
         client.delete()
+
+
+def _working_lookups(client: ServiceClient) -> list[str]:
+    """The lookups of the client's keys a gateway may hold as working (not revoked)."""
+    return list(client.credentials.filter(revoked_at__isnull=True).values_list("lookup", flat=True))
 
 
 def production_evidence(client: ServiceClient) -> dict:
@@ -95,16 +158,21 @@ def create_credential(actor: Actor, client: ServiceClient, *, name: str = "", li
     """A new key for ``client``; returns (credential, plaintext). The plaintext exists only here.
     ``limits``: the key's own rpm_limit, tpm_limit, concurrency_limit (each optional)."""
     access.require(actor, "use", client)
-    _validate_limits(limits)
-    if lifetime is not None and lifetime <= timedelta(0):
-        raise InvalidTree("A key's lifetime must be positive (or unset for no expiry).", details={"lifetime": "positive"})
     with transaction.atomic():
-        if client.environment == ServiceClient.Environment.PRODUCTION:
-            approvals.consume(actor, "credential.create_production", client.project, client,
-                              production_evidence(client), approval)
-        credential, plaintext = _mint(actor, client, name=name, lifetime=lifetime, limits=limits)
+        # The client as it is now, locked: a concurrent move into production (which revokes every key)
+        # or grant of management access is either seen here or waits for this key to exist.
+        current = ServiceClient.objects.select_for_update().select_related("project").get(pk=client.pk)
+        access.require(actor, key_action(current), current)
+        _validate_limits(limits)
+        if lifetime is not None and lifetime <= timedelta(0):
+            raise InvalidTree("A key's lifetime must be positive (or unset for no expiry).",
+                              details={"lifetime": "positive"})
+        if current.environment == ServiceClient.Environment.PRODUCTION:
+            approvals.consume(actor, "credential.create_production", current.project, current,
+                              production_evidence(current), approval)
+        credential, plaintext = _mint(actor, current, name=name, lifetime=lifetime, limits=limits)
         audit.record(actor, "credential.create", credential,
-                     details={"client": str(client), "prefix": credential.prefix, "expires_at": credential.expires_at,
+                     details={"client": str(current), "prefix": credential.prefix, "expires_at": credential.expires_at,
                               **{k: v for k, v in limits.items() if v is not None}})
     return credential, plaintext
 
@@ -146,10 +214,16 @@ def rotate_credential(actor: Actor, credential: Credential, overlap: timedelta =
     """A new key for the same client, keeping the old one's expiry policy; the old one keeps working
     for ``overlap`` (so callers can switch without an outage), then expires."""
     access.require(actor, "use", credential)
-    if overlap < timedelta(0) or overlap > MAX_OVERLAP:
-        raise InvalidTree(f"The overlap must be between 0 and {MAX_OVERLAP.days} days.", details={"overlap": "0-30 days"})
     with transaction.atomic():
-        old = Credential.objects.select_for_update().select_related("client").get(pk=credential.pk)
+        # The client first, as update_client locks it: a key of a client moved into production
+        # meanwhile is revoked, and is not rotated into a working one.
+        client = ServiceClient.objects.select_for_update().select_related("project").get(pk=credential.client_id)
+        access.require(actor, key_action(client), client)  # the new plaintext is a key like any other
+        if overlap < timedelta(0) or overlap > MAX_OVERLAP:
+            raise InvalidTree(f"The overlap must be between 0 and {MAX_OVERLAP.days} days.",
+                              details={"overlap": "0-30 days"})
+        old = Credential.objects.select_for_update().get(pk=credential.pk)
+        old.client = client
         now = timezone.now()
         if old.revoked_at is not None or (old.expires_at is not None and old.expires_at <= now):
             raise InvalidTree("Only a working key can be rotated; create a new one instead.")
@@ -159,6 +233,7 @@ def rotate_credential(actor: Actor, credential: Credential, overlap: timedelta =
                                limits={name: getattr(old, name) for name in KEY_LIMITS})
         old.expires_at = min(filter(None, [old.expires_at, now + overlap]))
         old.save(update_fields=["expires_at"])
+        events.credentials_changed([old.lookup])  # a gateway would trust it until the expiry it read
         audit.record(actor, "credential.rotate", new, details={"old": old.prefix, "new": new.prefix,
                                                                "old_expires_at": old.expires_at})
     return new, plaintext

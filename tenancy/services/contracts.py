@@ -98,12 +98,25 @@ def _figures(contract: Contract | None) -> dict:
     return {name: getattr(contract, name) for name in FIELDS}
 
 
+GUARANTEE_FIELDS = tuple(f"{stem}_guarantee" for stem in CAPACITY)
+BUDGET_FIELDS = ("daily_token_budget", "monthly_token_budget")
+
+
 def _raised_limits(before: dict, after: dict) -> list[str]:
-    """Limits the change raises or removes (an unset limit is no limit at all)."""
+    """What the change loosens, each of which needs an approval: a limit raised or removed (an unset
+    limit is no limit at all); a budget that refused and now only warns (hard to soft while a budget
+    is set); a guarantee raised or set (a guarantee is a claim on capacity its siblings share)."""
     raised = []
     for name in LIMIT_FIELDS:
         old, new = before.get(name), after.get(name)
         if old is not None and (new is None or Decimal(new) > Decimal(old)):
+            raised.append(name)
+    if before.get("budget_mode") == Contract.BudgetMode.HARD and after.get("budget_mode") == Contract.BudgetMode.SOFT \
+            and any(before.get(name) is not None for name in BUDGET_FIELDS):
+        raised.append("budget_mode")
+    for name in GUARANTEE_FIELDS:
+        old, new = before.get(name), after.get(name)
+        if new is not None and (old is None or Decimal(new) > Decimal(old)):
             raised.append(name)
     return raised
 
@@ -155,8 +168,8 @@ def raise_limit_evidence(scope: Scope, **figures) -> dict:
     before = _figures(Contract.objects.filter(scope=scope).first())
     after = before | changes
     if not _raised_limits(before, after):
-        raise InvalidContract("This change raises or removes no limit: it needs no approval.",
-                              details={"limits": "none raised"})
+        raise InvalidContract("This change raises or removes no limit, softens no budget and raises no guarantee: "
+                              "it needs no approval.", details={"limits": "none raised"})
     return contract_evidence(scope, before, after)
 
 
@@ -171,7 +184,7 @@ def _plain(value):
 
 def set_contract(actor: Actor, scope: Scope, approval=None, **figures) -> Contract:
     """Set some figures of ``scope``'s contract (others keep their values). Raising or removing a
-    limit needs an approval."""
+    limit, softening a hard budget, and raising or setting a guarantee need an approval."""
     access.require(actor, "change", scope)
     changes = _clean(figures)
     with transaction.atomic():
@@ -201,6 +214,12 @@ def limit_chain(scope: Scope) -> list[Contract]:
     """The contracts of ``scope`` and its ancestors, nearest first (one query)."""
     return list(Contract.objects.select_related("scope").filter(scope__path__in=scope.ancestor_paths())
                 .order_by(-Length("scope__path")))
+
+
+def visible_chain(caller, scope: Scope) -> list[Contract]:
+    """``limit_chain`` as ``caller`` may read it: only contracts of scopes they may view, as a direct
+    read of each contract would answer (the console and the API show the same)."""
+    return [contract for contract in limit_chain(scope) if access.can(caller, "view", contract.scope)]
 
 
 def _subtree(path: str, field: str = "scope_path") -> Q:

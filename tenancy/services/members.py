@@ -7,7 +7,7 @@ from django.db import IntegrityError, transaction
 
 from tenancy import access, audit
 from tenancy.audit import Actor
-from tenancy.errors import AlreadyExists, InvalidTree
+from tenancy.errors import AlreadyExists, InvalidTree, LastOwner
 from tenancy.models import Membership, Role, Scope
 
 
@@ -35,11 +35,26 @@ def add_member(actor: Actor, scope: Scope, user, role: str) -> Membership:
     return membership
 
 
+def _keep_an_owner(membership: Membership) -> None:
+    """Refuse to take away the last owner membership of an organisation: no one could then grant or
+    remove ownership, or delete it. Call inside the change's transaction: the org's owner memberships
+    are locked, so two owners removing each other at once cannot both pass."""
+    if membership.scope.kind != Scope.Kind.ORG:
+        return
+    owners = list(Membership.objects.select_for_update().filter(scope_id=membership.scope_id, role=Role.OWNER)
+                  .order_by("pk").values_list("pk", flat=True))
+    if membership.pk in owners and len(owners) == 1:
+        raise LastOwner(f"{membership.user.get_username()} is the last owner of {membership.scope.written}: "
+                        "make someone else an owner first.", details={"scope": membership.scope.written})
+
+
 def change_role(actor: Actor, membership: Membership, role: str) -> Membership:
     _check_role(role)
     _require_grant(actor, membership.scope, membership.role)
     _require_grant(actor, membership.scope, role)
     with transaction.atomic():
+        if role != Role.OWNER:
+            _keep_an_owner(membership)
         before = membership.role
         membership.role = role
         membership.save(update_fields=["role"])
@@ -52,6 +67,7 @@ def change_role(actor: Actor, membership: Membership, role: str) -> Membership:
 def remove_member(actor: Actor, membership: Membership) -> None:
     _require_grant(actor, membership.scope, membership.role)
     with transaction.atomic():
+        _keep_an_owner(membership)
         audit.record(actor, "membership.remove", membership, details={"user": membership.user.get_username(),
                                                                        "role": membership.role})
         membership.delete()

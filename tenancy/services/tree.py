@@ -17,8 +17,10 @@ PARENT_KIND = {Scope.Kind.ORG: None, Scope.Kind.TEAM: Scope.Kind.ORG, Scope.Kind
 
 
 def resolve_scope(written: str, queryset=None) -> Scope:
-    """A scope from how people write it: an id; ``kind:full/path``; or ``kind:last-element`` when
-    that last element is unique. Candidates are listed when a short name is ambiguous."""
+    """A scope from how people write it: an id; ``kind:full/path``; ``kind:last-element`` when that
+    last element is unique; or the same without the kind (``acme/ml``, ``search``), among scopes of
+    any kind. Only ``queryset`` is searched (the scopes the caller may see), so the candidates an
+    ambiguous name lists are ones the caller may see."""
     queryset = Scope.objects.all() if queryset is None else queryset
     text = (written or "").strip()
     if not text:
@@ -27,22 +29,23 @@ def resolve_scope(written: str, queryset=None) -> Scope:
     if by_id is not None:
         return _one(queryset.filter(public_id=by_id), text)
     kind, separator, rest = text.partition(":")
-    kind = kind.strip().lower()
-    if not separator:
-        raise ScopeSyntax(f"{text!r} names no kind: write org:{text}, team:… or project:…")
-    if kind not in Scope.Kind.values:
-        raise UnknownScopeKind(f"Unknown scope kind {kind!r}; use org, team or project.",
-                               details={"kinds": list(Scope.Kind.values)})
+    if separator:
+        kind = kind.strip().lower()
+        if kind not in Scope.Kind.values:
+            raise UnknownScopeKind(f"Unknown scope kind {kind!r}; use org, team or project.",
+                                   details={"kinds": list(Scope.Kind.values)})
+        queryset = queryset.filter(kind=kind)
+    else:
+        rest = text  # no kind: any kind
     rest = rest.strip().strip("/").lower()
     by_id = _uuid(rest)
-    of_kind = queryset.filter(kind=kind)
     if by_id is not None:
-        return _one(of_kind.filter(public_id=by_id), text)
-    exact = of_kind.filter(path=rest).first()
+        return _one(queryset.filter(public_id=by_id), text)
+    exact = queryset.filter(path=rest).first()
     if exact is not None:
         return exact
-    if "/" not in rest:
-        candidates = list(of_kind.filter(slug=rest)[:20])
+    if rest and "/" not in rest:
+        candidates = list(queryset.filter(slug=rest).order_by("path")[:20])
         if len(candidates) == 1:
             return candidates[0]
         if len(candidates) > 1:

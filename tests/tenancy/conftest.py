@@ -29,20 +29,24 @@ def api():
 
 
 @pytest.fixture
-def management_key(personas):
+def management_key(personas, request):
     """``management_key(access="management", environment="development", project=None)``: a fresh
-    service client of acme/ml/search (or ``project``) and the plaintext of one key of it."""
-    from tenancy.services import clients
+    service client of acme/ml/search (or ``project``), made by olivia, and the plaintext of one key of
+    it. A production client's key is minted with a real approval: olivia asks, ada decides."""
+    from tenancy.services import approvals, clients
 
     counter = iter(range(1, 1000))
 
     def make(access="management", environment="development", project=None):
         project = project or personas.acme.project
         client = clients.create_client(personas.olivia_actor, project, f"robot-{next(counter)}", access=access,
-                                       environment="development")
-        credential, plaintext = clients.create_credential(personas.olivia_actor, client, name="ci")
-        if environment != "development":
-            clients.update_client(personas.olivia_actor, client, environment=environment)
+                                       environment=environment)
+        approval = None
+        if environment == "production":
+            approval = approvals.request_approval(personas.olivia_actor, "credential.create_production", project,
+                                                  client, clients.production_evidence(client), "a test's robot")
+            approvals.decide(Actor(user=request.getfixturevalue("ada")), approval, True)
+        credential, plaintext = clients.create_credential(personas.olivia_actor, client, name="ci", approval=approval)
         return types.SimpleNamespace(client=client, credential=credential, key=plaintext)
 
     return make

@@ -19,7 +19,7 @@ AUDIT = "/api/tenancy/audit/"
 def history(personas):
     """A few changes across both organisations, by different people."""
     tree.rename_scope(personas.olivia_actor, personas.acme.team, "Machine learning")
-    client = clients.create_client(personas.max_actor, personas.acme.project, "bot", access="management")
+    client = clients.create_client(personas.max_actor, personas.acme.project, "bot")
     clients.create_credential(personas.max_actor, client, name="ci")
     contracts.set_contract(personas.olivia_actor, personas.acme.org, gpus_limit=8)
     tree.rename_scope(personas.oscar_actor, personas.globex.org, "Globex Corp")

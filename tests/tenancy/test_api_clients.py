@@ -25,7 +25,8 @@ def error_code(response) -> str:
 
 
 def new_client(api, user, **fields) -> dict:
-    body = {"project": "project:acme/ml/search", "name": "search-bot", "access": "management"} | fields
+    # Inference by default: a member may make those; management access takes an admin (test_hardening).
+    body = {"project": "project:acme/ml/search", "name": "search-bot", "access": "inference"} | fields
     response = api(user).post(CLIENTS, body)
     assert response.status_code == 201, response.content
     return response.json()
@@ -118,8 +119,8 @@ def test_key_plaintext_is_shown_once_and_never_listed(personas, api):
 
 
 def test_management_key_works_on_the_api_as_admin_of_its_project(personas, api):
-    created = new_client(api, personas.max)
-    key = new_key(api, personas.max, created["id"])
+    created = new_client(api, personas.olivia, access="management")
+    key = new_key(api, personas.olivia, created["id"])
     response = api().get(PROBE, **bearer(key["key"]))
     assert response.status_code == 200
     assert [row["path"] for row in response.json()["results"]] == ["acme/ml/search"]
@@ -142,9 +143,9 @@ def test_revoked_key_is_refused_with_401_api_key_revoked(personas, api):
 
 
 def test_rotated_keys_both_work_inside_the_overlap_and_only_the_new_after(personas, api):
-    created = new_client(api, personas.max)
-    old = new_key(api, personas.max, created["id"], lifetime_days=90)
-    rotated = api(personas.max).post(f"{KEYS}{old['id']}/rotate/", {"overlap_hours": 2})
+    created = new_client(api, personas.olivia, access="management")
+    old = new_key(api, personas.olivia, created["id"], lifetime_days=90)
+    rotated = api(personas.olivia).post(f"{KEYS}{old['id']}/rotate/", {"overlap_hours": 2})
     assert rotated.status_code == 201, rotated.content
     new = rotated.json()
     assert new["replaces"] == old["id"] and new["key"] != old["key"] and new["lifetime_days"] == 90
@@ -157,7 +158,7 @@ def test_rotated_keys_both_work_inside_the_overlap_and_only_the_new_after(person
     expired = api().get(PROBE, **bearer(old["key"]))
     assert (expired.status_code, error_code(expired)) == (401, "api_key_expired")
     assert api().get(PROBE, **bearer(new["key"])).status_code == 200
-    twice = api(personas.max).post(f"{KEYS}{old['id']}/rotate/", {})
+    twice = api(personas.olivia).post(f"{KEYS}{old['id']}/rotate/", {})
     assert twice.status_code in (400, 409)
 
 

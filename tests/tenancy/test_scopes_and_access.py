@@ -30,9 +30,11 @@ def test_ambiguous_short_name_is_refused_with_the_candidates(personas):
 def test_unique_short_name_resolves(personas):
     tree.create_scope(Actor(user=personas.olivia), "project", "ranking", parent=personas.acme.team)
     assert tree.resolve_scope("project:ranking").path == "acme/ml/ranking"
+    assert tree.resolve_scope("ranking").path == "acme/ml/ranking"  # the kind may be left out
+    assert tree.resolve_scope("acme") == personas.acme.org
 
 
-@pytest.mark.parametrize("written, error", [("cluster:acme", UnknownScopeKind), ("acme", ScopeSyntax),
+@pytest.mark.parametrize("written, error", [("cluster:acme", UnknownScopeKind), ("nowhere", ScopeNotFound),
                                             ("", ScopeSyntax), ("org:nowhere", ScopeNotFound)])
 def test_malformed_or_unknown_scopes_are_refused(personas, written, error):
     with pytest.raises(error):
