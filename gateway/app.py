@@ -466,6 +466,8 @@ class Gateway:
             table = await self.routing.fresh()
             served = self._resolve(table, model, principal)
             route = table.route(served)
+        if route is not None and not route.admits(principal.project_path):
+            route = None  # another tenant's own model: as unknown to this key as one that does not exist
         if route is None:
             if served != model:
                 raise ModelNotFound(f"The model {shown(served)!r} (a variant of {shown(model)!r}) does not exist.",
@@ -541,7 +543,8 @@ class Gateway:
         """The first of the model's fallbacks that is ready and that this key may use."""
         for name in route.fallbacks:
             candidate = table.route(name)
-            if candidate is not None and candidate.endpoints and principal.allows(name):
+            if (candidate is not None and candidate.endpoints and principal.allows(name)
+                    and candidate.admits(principal.project_path)):
                 return candidate
         return None
 

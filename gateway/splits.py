@@ -70,7 +70,7 @@ def callable_models(table: routing.RoutingTable, project_path: str, environment:
                 listed[name] = target
     found = {}
     for name, route in listed.items():
-        if not allows(name):
+        if not allows(name) or not route.admits(project_path):  # another tenant's own model stays unseen
             continue
         split = applicable(table, name, project_path) if table.splits else None
         if split is not None and not split.allows_environment(environment):

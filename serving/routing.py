@@ -68,6 +68,13 @@ class ModelRoute:
     fallbacks: tuple[str, ...] = ()  # models to serve instead while this one has no ready replica
     max_output_tokens: int | None = None  # the catalog's cap on one request's generated tokens; None: none
     context: int | None = None  # the longest context a replica of it runs (tokens); None: not known
+    # The path of the scope whose model it is (its catalog entry's owner, else its deployments'): only
+    # clients of that scope and below may call it, or see it listed. None: shared with every tenant.
+    owner: str | None = None
+
+    def admits(self, project_path: str) -> bool:
+        """Whether a client of ``project_path`` may reach this model at all (before its own rules)."""
+        return self.owner is None or project_path == self.owner or project_path.startswith(self.owner + "/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,22 +120,25 @@ def load_table() -> RoutingTable:
     """Read the whole table: three indexed queries, whatever the fleet's size. A model answers to
     its catalog name and its aliases; an on-demand model with no deployment yet is listed too."""
     names: dict[str, dict] = {}
-    for row in Deployment.objects.filter(state__in=LISTED_STATES).values("name", "task", "state", "engine", "config"):
-        entry = names.setdefault(row["name"], {"task": row["task"], "states": set(), "contexts": []})
+    for row in Deployment.objects.filter(state__in=LISTED_STATES).values("name", "task", "state", "engine", "config",
+                                                                         "owner__path"):
+        entry = names.setdefault(row["name"], {"task": row["task"], "states": set(), "contexts": [], "owners": set()})
         entry["states"].add(row["state"])
         entry["contexts"].append(_context(row["engine"], row["config"]))
+        entry["owners"].add(row["owner__path"])
     endpoints: dict[str, list[Endpoint]] = {}
     ready = (Replica.objects.filter(state=DeploymentState.READY, deployment__state__in=LOADABLE_STATES)
              .values_list("public_id", "port", "node__address", "deployment__name", "deployment__task"))
     for public_id, port, address, name, task in ready:
         endpoints.setdefault(name, []).append(Endpoint(str(public_id), _url(address, port), replica_key(public_id)))
-        names.setdefault(name, {"task": task, "states": {DeploymentState.READY}, "contexts": []})
+        names.setdefault(name, {"task": task, "states": {DeploymentState.READY}, "contexts": [], "owners": set()})
     catalog = {row["name"]: row for row in ModelEntry.objects.values("name", "task", "aliases", "fallbacks",
-                                                                     "scaling_min", "max_output_tokens", "profiles")}
+                                                                     "scaling_min", "max_output_tokens", "profiles",
+                                                                     "owner__path")}
     for name, row in catalog.items():
         # An on-demand model with no deployment yet is still routable: its first request loads it.
         if name not in names and row["scaling_min"] == 0:
-            names[name] = {"task": row["task"], "states": {DeploymentState.STOPPED}, "contexts": []}
+            names[name] = {"task": row["task"], "states": {DeploymentState.STOPPED}, "contexts": [], "owners": set()}
     models = {}
     for name, entry in names.items():
         found = endpoints.get(name, [])
@@ -139,9 +149,14 @@ def load_table() -> RoutingTable:
         contexts = entry["contexts"] or [_context(profiles.engine(p), profiles.engine_config(p))
                                          for p in row.get("profiles") or ()
                                          if isinstance(p, dict) and profiles.engine(p) in profiles.ENGINE_KEYS]
+        # The catalog says whose model it is; a model deployed by hand, its deployments, when they agree
+        # (deployments of one name by several scopes, or by none, make it shared).
+        owners = entry["owners"]
+        owner = row["owner__path"] if row else (next(iter(owners)) if len(owners) == 1 else None)
         models[name] = ModelRoute(name=name, task=entry["task"], state=str(state), endpoints=tuple(found),
                                   fallbacks=tuple(f for f in row.get("fallbacks") or () if f != name),
-                                  max_output_tokens=row.get("max_output_tokens"), context=_longest(contexts))
+                                  max_output_tokens=row.get("max_output_tokens"), context=_longest(contexts),
+                                  owner=owner)
     for name, row in catalog.items():
         for alias in row["aliases"] or ():
             if name in models and alias not in models:
