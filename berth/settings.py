@@ -114,14 +114,20 @@ TEMPLATES = [
     },
 ]
 
+# SQLite waits for a writer rather than failing at once, and takes its write lock when a transaction
+# begins (so two writers never deadlock upgrading read locks). Its test database is a file too, so the
+# suite's own processes (a gateway, an agent) open the same one.
+SQLITE_OPTIONS = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
 if EMBEDDED:
     DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": DATA_DIR / "berth.sqlite3",
-                             "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"}}}
+                             "OPTIONS": SQLITE_OPTIONS, "TEST": {"NAME": DATA_DIR / "test-berth.sqlite3"}}}
 else:
     try:
         DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)}
     except ValueError as exc:
         raise ImproperlyConfigured(f"DATABASE_URL cannot be parsed: {exc}") from exc
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+        DATABASES["default"].update(CONN_MAX_AGE=0, OPTIONS=SQLITE_OPTIONS)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if REDIS_URL:
@@ -164,7 +170,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "berth.api.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "berth.api.Pagination",
     "PAGE_SIZE": 100,
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }

@@ -17,6 +17,27 @@ from tests.assets.smollm2 import smollm2_path
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
+# What also runs on the embedded default a newcomer meets first (SQLite, the file broker, no Redis):
+# `make test` runs these a second time that way (`-m embedded`). Paths under tests/.
+EMBEDDED = (
+    "tenancy/test_keys.py", "tenancy/test_api_clients.py", "tenancy/test_console_keys.py",
+    "gateway/test_inference.py", "gateway/test_console_playground.py",
+    "serving/test_catalog_entries.py", "serving/test_catalog_room.py", "serving/test_catalog_room_portable.py",
+    "serving/test_catalog_servability.py", "serving/test_mirror_pages.py", "scheduler/test_hardening.py",
+    "test_console.py", "test_persona_walk.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parent
+    embedded = {root / path for path in EMBEDDED}
+    missing = [path for path in EMBEDDED if not (root / path).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py EMBEDDED names files that are gone: {missing}")
+    for item in items:
+        if Path(item.fspath) in embedded:
+            item.add_marker(pytest.mark.embedded)
+
 
 @pytest.fixture(scope="session")
 def artifacts_dir() -> Path:

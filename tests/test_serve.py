@@ -13,6 +13,7 @@ import pytest
 from django.db import connection
 
 from berth.supervisor import Supervisor
+from tests.assets.database import database_environ
 from tests.assets.llama_server import free_port
 from tests.assets.waiting import wait_until
 
@@ -30,7 +31,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.django_db(transaction=True)
 def test_serve_runs_web_worker_and_beat_and_ctrl_c_stops_them_all(tmp_path):
     db = connection.settings_dict
-    environment = dict(os.environ, DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}")
+    environment = dict(os.environ, **database_environ(db))
     port = free_port()
     output = tmp_path / "serve.log"
     with open(output, "w") as log:

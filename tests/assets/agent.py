@@ -10,6 +10,7 @@ from pathlib import Path
 
 from django.db import connection
 
+from tests.assets.database import database_environ
 from tests.assets.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ class Agent:
                  startup_timeout: int = 120):
         db = connection.settings_dict
         self.log_path = tmp_path / log_name
-        environment = dict(os.environ, DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        environment = dict(os.environ, **database_environ(db),
                            BERTH_MODEL_ROOTS=str(model_root), BERTH_ENGINE_DIR=str(tmp_path / "engines"),
                            BERTH_STARTUP_SLOTS=str(slots), BERTH_HEARTBEAT_SECONDS="1",
                            BERTH_STARTUP_TIMEOUT_SECONDS=str(startup_timeout))

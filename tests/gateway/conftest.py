@@ -18,6 +18,7 @@ from django.db import connection
 
 from serving import routing
 from serving.keys import replica_key
+from tests.assets.database import database_environ
 from tests.assets.llama_server import LlamaServer, free_port
 from tests.assets.waiting import wait_until
 
@@ -34,7 +35,7 @@ class GatewayProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        env = dict(os.environ, **database_environ(db),
                    BERTH_GATEWAY_AUTH_CACHE_SECONDS="30", BERTH_GATEWAY_ROUTING_TTL_MS="200",
                    BERTH_GATEWAY_USAGE_FLUSH_MS="100", BERTH_LOG_LEVEL="INFO")
         env.update({f"BERTH_GATEWAY_{name.upper()}": str(value) for name, value in settings.items()})
