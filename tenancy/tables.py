@@ -20,6 +20,7 @@ from berth.tables import Column, Table
 from tenancy import access
 from tenancy.models import Role
 from tenancy.models.contracts import CAPACITY_FIGURES
+from tenancy.services.clients import key_action
 
 
 class RecordTable(Table):
@@ -225,6 +226,13 @@ class CredentialTable(RecordTable):
     row_permission = "use"
     row_prefix = "key"
     empty_message = "No keys yet."
+
+    def __init__(self, rows, caller=None, **context):
+        super().__init__(rows, caller=caller, **context)
+        # Revoking takes a member; rotating mints a key, which for a management client takes an admin.
+        for record in self.records:
+            row = record.row
+            row.may_rotate = row.may_rotate and caller is not None and access.can(caller, key_action(row.client), row)
 
     def prepare(self, credential):
         state = key_state(credential)

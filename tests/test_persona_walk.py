@@ -124,8 +124,9 @@ CASES = {
     "scheduler_nodes_drain_create": Case("staff", "node", body=lambda w: {"reason": "walk"}),
     "scheduler_accelerators_list": Case("fleet"),
     "scheduler_accelerators_retrieve": Case("fleet", "accelerator"),
-    "scheduler_calibrations_list": Case("fleet"),
-    "scheduler_calibrations_retrieve": Case("fleet", "calibration"),
+    # A calibration record names a tenant's model and file and why its load failed: staff only.
+    "scheduler_calibrations_list": Case("staff"),
+    "scheduler_calibrations_retrieve": Case("staff", "calibration"),
     "scheduler_calibrations_destroy": Case("staff", "calibration"),
     "scheduler_calibrations_reset_create": Case("staff"),
     "scheduler_estimate_create": Case("staff", body=lambda w: {"model_path": w.weights_path, "engine": "llamacpp"}),

@@ -21,9 +21,10 @@ from tenancy import audit
 
 
 class IsStaff(permissions.BasePermission):
-    """Fleet changes are for staff until tenancy's permissions cover the fleet."""
+    """Fleet changes, and the fleet's evidence about every tenant's models, are for staff until
+    tenancy's permissions cover the fleet."""
 
-    message = "Only staff may change the fleet."
+    message = "Only staff may do this with the fleet."
 
     def has_permission(self, request, view):
         return bool(request.user and request.user.is_authenticated and request.user.is_staff)
@@ -103,19 +104,16 @@ class EstimateView(APIView):
 class CalibrationRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
                                viewsets.GenericViewSet):
     """What loads really used against their estimates. Deleting a record (or ``reset`` with the
-    list's filters) makes later estimates go back to the formulas."""
+    list's filters) makes later estimates go back to the formulas. For staff only, reads too: a
+    record names the model and file it measured and why a load failed, whoever's model it was."""
 
+    permission_classes = [IsStaff]
     queryset = CalibrationRecord.objects.all()
     serializer_class = CalibrationRecordSerializer
     lookup_field = "public_id"
     lookup_value_converter = "uuid"
     filter_backends = [DjangoFilterBackend]
     filterset_class = CalibrationRecordFilterSet
-
-    def get_permissions(self):
-        if self.action in ("destroy", "reset"):
-            return [IsStaff()]
-        return super().get_permissions()
 
     def destroy(self, request, *args, **kwargs):
         record = self.get_object()

@@ -83,7 +83,8 @@ def create_client(actor: Actor, project: Scope, name: str, **fields) -> ServiceC
 def update_client(actor: Actor, client: ServiceClient, **fields) -> ServiceClient:
     """Change what a client may do. Whatever touches management access (giving it, or changing a
     client that has it) takes an admin. Moving a client into production revokes every key it holds:
-    they were minted without the approval a production key needs (new ones need it as usual)."""
+    they were minted without the approval a production key needs (new ones need it as usual); so does
+    giving it management access (its keys may have been minted by a member, for inference)."""
     access.require(actor, "use", client)
     with transaction.atomic():
         # Locked, so a key minted or rotated concurrently either sees the new state or is revoked with
@@ -102,9 +103,16 @@ def update_client(actor: Actor, client: ServiceClient, **fields) -> ServiceClien
         details = {"before": before, "after": fields}
         if "granted_by" in update:
             details["management_granted_by"] = actor.written
+        # A key keeps nothing it was not minted for: one minted without the production approval, or
+        # by a member while the client had inference access only, must not gain what the client gains.
+        reasons = []
         if fields.get("environment") == ServiceClient.Environment.PRODUCTION \
                 and current.environment != ServiceClient.Environment.PRODUCTION:
-            details["revoked"] = _revoke_all(actor, client, "moved to production: minted without its approval")
+            reasons.append("moved to production: minted without its approval")
+        if "granted_by" in update:
+            reasons.append("given management access: minted while it had none")
+        if reasons:
+            details["revoked"] = _revoke_all(actor, client, "; ".join(reasons))
         audit.record(actor, "client.update", client, details=details)
         # What a gateway knows of the keys still working (active, models, limits) is stale now.
         events.credentials_changed(_working_lookups(client))

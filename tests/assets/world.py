@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 from datetime import timedelta
 
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 MARKER = "zacme"
@@ -30,6 +31,8 @@ def build_world(personas) -> types.SimpleNamespace:
     olivia, oscar = personas.olivia_actor, personas.oscar_actor
     acme = personas.acme
     sibling = tree.create_scope(olivia, "project", "other", "Other", acme.team)
+    admin = get_user_model().objects.create_user("adam", "adam@example.org", personas.password)
+    Membership.objects.create(user=admin, scope=acme.org, role="admin")  # a second pair of eyes
 
     def management_key(actor, project, name):
         client = clients.create_client(actor, project, name, access="management")
@@ -82,7 +85,7 @@ def build_world(personas) -> types.SimpleNamespace:
     RecoveryState.objects.create(model=f"{MARKER}-model", kind="crash", consecutive=5, parked=True,
                                  parked_at=now, last_error=f"{MARKER} crashed")
     calibration = CalibrationRecord.objects.create(
-        model_key="fleet-model-key", model_name="fleet-model", engine="llamacpp", engine_version="b1", device="cpu",
+        model_key=weights_path, model_name=f"{MARKER}-model", engine="llamacpp", engine_version="b1", device="cpu",
         config={}, config_key="{}", estimated_bytes=2**20, measured_bytes=2**20, outcome="loaded")
 
     objects = types.SimpleNamespace(
@@ -92,7 +95,7 @@ def build_world(personas) -> types.SimpleNamespace:
     secrets = {MARKER, acme.project.path, weights_path,
                *(str(obj.public_id) for obj in vars(objects).values() if getattr(obj, "public_id", None))}
     return types.SimpleNamespace(
-        personas=personas, sibling=sibling, team=acme.team, globex_key=globex_key, sibling_key=sibling_key, node=node,
+        personas=personas, sibling=sibling, team=acme.team, admin=admin, globex_key=globex_key, sibling_key=sibling_key, node=node,
         accelerator=accelerator, calibration=calibration, weights_path=weights_path, secrets=secrets, **vars(objects))
 
 

@@ -99,3 +99,19 @@ def test_client_list_shows_one_line_per_client_with_working_key_counts(personas,
     assert body.count('<tr id="client-') == 2
     assert "indexer" in body and "batch" in body and "Staging" in body
     assert ServiceClient.objects.count() == 2
+
+
+def test_a_member_may_revoke_but_not_rotate_a_management_clients_key(personas, browse):
+    """Rotating mints a key, which for a client with management access takes an admin: the button is
+    offered to those who may press it."""
+    from tenancy.services import clients
+
+    robot = clients.create_client(personas.olivia_actor, personas.acme.project, "robot", access="management")
+    key, _ = clients.create_credential(personas.olivia_actor, robot, name="ci")
+    page = reverse("tenancy:client", args=[robot.public_id])
+    as_member = browse(personas.max).get(page).content.decode()
+    row = as_member[as_member.index(f'id="key-{key.public_id}"'):].split("</tr>", 1)[0]
+    assert "Revoke" in row and "Rotate" not in row
+    as_owner = browse(personas.olivia).get(page).content.decode()
+    row = as_owner[as_owner.index(f'id="key-{key.public_id}"'):].split("</tr>", 1)[0]
+    assert "Revoke" in row and "Rotate" in row

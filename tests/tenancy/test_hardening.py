@@ -14,7 +14,7 @@ from django.db import connection, transaction
 from berth.errors import NotFound
 from tenancy import access, audit
 from tenancy.audit import Actor
-from tenancy.errors import ApprovalRequired, Forbidden, LastOwner
+from tenancy.errors import ApiKeyRevoked, ApprovalRequired, Forbidden, LastOwner
 from tenancy.models import AuditEvent, Contract, Credential, Membership, Role, Scope, ServiceClient
 from tenancy.services import approvals, clients, contracts, members, tree
 from tests.assets.waiting import wait_until
@@ -179,6 +179,20 @@ def test_moving_a_client_into_production_revokes_its_keys(personas, api, monkeyp
     # A new key needs the production approval, as any production key does.
     again = api(personas.max).post(KEYS, {"client": str(client.public_id)})
     assert (again.status_code, error_code(again)) == (428, "approval_required")
+
+
+def test_giving_a_client_management_access_revokes_the_keys_a_member_minted_for_inference(personas, api):
+    client = clients.create_client(personas.max_actor, personas.acme.project, "app", all_models=True)
+    _, plaintext = clients.create_credential(personas.max_actor, client, name="max's")
+    upgraded = api(personas.olivia).patch(f"{CLIENTS}{client.public_id}/", {"access": "both"})
+    assert upgraded.status_code == 200 and upgraded.json()["access"] == "both"
+    with pytest.raises(ApiKeyRevoked):
+        clients.authenticate(plaintext)  # max's key would now act as an admin of the project
+    revocation = AuditEvent.objects.get(action="credential.revoke")
+    assert "management access" in revocation.details["reason"]
+    # A key the admin mints now is the client's management key.
+    _, fresh = clients.create_credential(personas.olivia_actor, client, name="olivia's")
+    assert clients.authenticate(fresh).client.may_manage
 
 
 def test_staying_in_production_revokes_nothing(personas, management_key):
