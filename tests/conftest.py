@@ -24,7 +24,7 @@ EMBEDDED = (
     "gateway/test_inference.py", "gateway/test_console_playground.py",
     "serving/test_catalog_entries.py", "serving/test_catalog_room.py", "serving/test_catalog_room_portable.py",
     "serving/test_catalog_servability.py", "serving/test_mirror_pages.py", "scheduler/test_hardening.py",
-    "test_console.py", "test_persona_walk.py",
+    "test_console.py", "test_console_walk.py", "test_persona_walk.py",
 )
 
 

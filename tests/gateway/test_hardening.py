@@ -247,7 +247,13 @@ def test_a_huge_model_name_is_echoed_as_a_short_prefix(gateway, make_key, tree):
     assert error_of(refused, 403)["details"]["model"] == "m" * 100 + "…" and len(refused.content) < 1000
     ModelSplit.objects.create(model_name=huge[:200], scope=tree.project, variants=[], environments=["staging"])
     routing.publish_changed()
-    split_refusal = post(gateway, "/v1/completions", key, model=huge[:200], prompt="a")
+    # The change message reaches the gateway a moment later (a table read just now is kept): ask until
+    # it answers with the split's refusal.
+    def refused_by_the_split():
+        answer = post(gateway, "/v1/completions", key, model=huge[:200], prompt="a")
+        return answer if answer.status_code == 403 else None
+
+    split_refusal = wait_until(refused_by_the_split, 30, what="the split seen by the gateway")
     assert error_of(split_refusal, 403)["code"] == "environment_not_allowed"
     assert "m" * 101 not in split_refusal.text
 
