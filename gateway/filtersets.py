@@ -2,14 +2,15 @@
 
 import django_filters
 
+from berth.filters import DateTimeFilter
 from gateway.models import UsageRecord
 
 
 class UsageRecordFilterSet(django_filters.FilterSet):
     model = django_filters.CharFilter(field_name="model_served")
     scope = django_filters.CharFilter(method="under_scope", label="Scope path (and below)")
-    since = django_filters.IsoDateTimeFilter(field_name="started_at", lookup_expr="gte")
-    until = django_filters.IsoDateTimeFilter(field_name="started_at", lookup_expr="lt")
+    since = DateTimeFilter(field_name="started_at", lookup_expr="gte")
+    until = DateTimeFilter(field_name="started_at", lookup_expr="lt")
     key = django_filters.CharFilter(field_name="key_prefix")
 
     class Meta:

@@ -11,6 +11,7 @@ import django_filters
 from django.db.models import Q
 from django.utils import timezone
 
+from berth.filters import DateTimeFilter
 from tenancy import access
 from tenancy.models import ApprovalRequest, AuditEvent, Contract, Credential, Membership, Role, Scope, ServiceClient
 from tenancy.models.tree import ROLE_RANK
@@ -159,8 +160,8 @@ class AuditEventFilterSet(TenancyFilterSet):
     action = django_filters.CharFilter(method="filter_action", label="Action (e.g. credential.revoke, or credential)")
     scope = django_filters.CharFilter(method="filter_scope", label="At or below (scope)")
     object = django_filters.CharFilter(field_name="object_id", label="Object id")
-    since = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="gte")
-    until = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="lt")
+    since = DateTimeFilter(field_name="at", lookup_expr="gte")
+    until = DateTimeFilter(field_name="at", lookup_expr="lt")
 
     class Meta:
         model = AuditEvent

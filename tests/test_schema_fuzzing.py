@@ -3,7 +3,7 @@ the OpenAPI schema and sends them to the live test server as acme's owner, again
 of every object. Zero server errors, and every answer matches the schema it documents.
 
 Bounded: a fixed number of examples per operation, derandomised (the same requests every run, so a
-failure reproduces), no shrinking. Excluded: deleting memberships, the only operation that would remove
+failure reproduces), no shrinking. The hub is the local stand-in, holding one repository. Excluded: deleting memberships, the only operation that would remove
 the persona's own roles (and with them every later request's reach). Work the API queues is recorded,
 not sent: no worker runs here, and a queued job must not outlive this test in the shared broker.
 """
@@ -17,6 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 
+from tests.assets.hub_server import hub, mirror_root  # noqa: F401  (fixtures)
 from tests.assets.world import build_world
 
 EXAMPLES_PER_OPERATION = 15
@@ -41,25 +42,26 @@ schema = schemathesis.pytest.from_fixture("fuzz_schema")
 
 
 @pytest.fixture
-def owner_session(live_server, personas, monkeypatch):
-    """acme's owner signed in (a session cookie and a CSRF pair), over a world of every object."""
+def owner_session(live_server, personas, monkeypatch, hub, mirror_root, tiny_model):
+    """acme's owner signed in (a session cookie and a CSRF pair), over a world of every object, with
+    the local stand-in of the hub holding one repository."""
+    import httpx
     from celery.app.task import Task
-    from django.contrib.auth import SESSION_KEY
-    from django.contrib.sessions.backends.db import SessionStore
+    from django.test import Client
 
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: the hub is away
+    hub.add("walk/repo", {"walk-Q4_K_M.gguf": tiny_model.read_bytes()})
     queued = []
     monkeypatch.setattr(Task, "apply_async", lambda task, *args, **kwargs: queued.append(task.name))
     world = build_world(personas)
-    session = SessionStore()
-    session[SESSION_KEY] = str(personas.olivia.pk)
-    session["_auth_user_backend"] = "django.contrib.auth.backends.ModelBackend"
-    session["_auth_user_hash"] = personas.olivia.get_session_auth_hash()
-    session.create()
+    signed_in = Client()
+    signed_in.force_login(personas.olivia)  # a real session, as the login view would leave it
     csrf = secrets.token_hex(16)  # 32 characters: the form of an unmasked CSRF secret
-    return {"base_url": live_server.url, "world": world,
-            "headers": {"Cookie": f"sessionid={session.session_key}; csrftoken={csrf}", "X-CSRFToken": csrf,
-                        "Accept": "application/json"}}
+    headers = {"Cookie": f"sessionid={signed_in.cookies['sessionid'].value}; csrftoken={csrf}",
+               "X-CSRFToken": csrf, "Accept": "application/json"}
+    # The fuzzing means nothing unless its requests are olivia's: check that the server knows her.
+    scopes = httpx.get(f"{live_server.url}/api/tenancy/scopes/", headers=headers, timeout=30)
+    assert scopes.status_code == 200 and "acme/ml/search" in scopes.text, scopes.text[:300]
+    return {"base_url": live_server.url, "world": world, "headers": headers}
 
 
 @pytest.mark.django_db(transaction=True)

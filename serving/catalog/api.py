@@ -18,7 +18,8 @@ from tenancy.services.tree import resolve_scope
 
 
 class ModelFileSerializer(serializers.ModelSerializer):
-    node = serializers.CharField(source="node.name", default=None)
+    node = serializers.CharField(source="node.name", default=None, allow_null=True, read_only=True,
+                                 help_text="The node holding it; null: the control plane's own disk.")
 
     class Meta:
         model = ModelFile
@@ -86,8 +87,9 @@ class ModelPlacementSerializer(serializers.Serializer):
 
 
 class FetchJobSerializer(serializers.ModelSerializer):
-    percent = serializers.IntegerField(read_only=True)
-    model = serializers.CharField(source="model.name", default=None)
+    percent = serializers.IntegerField(read_only=True, allow_null=True, help_text="Null until the sizes are known.")
+    model = serializers.CharField(source="model.name", default=None, allow_null=True, read_only=True,
+                                  help_text="The catalog model it made; null until it has.")
 
     class Meta:
         model = FetchJob

@@ -14,6 +14,13 @@ class HubUnreachable(BerthError):
     code = "hub_unreachable"
 
 
+class HubRefused(BerthError):
+    """The hub answered a 4xx Berth has no better word for (``details["status"]``)."""
+
+    status = 502
+    code = "hub_refused"
+
+
 class RepositoryNotFound(NotFound):
     code = "repository_not_found"
 

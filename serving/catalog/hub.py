@@ -18,10 +18,12 @@ from typing import Any
 import requests
 from django.conf import settings
 from huggingface_hub import HfApi, hf_hub_url
-from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError,
+                                    RevisionNotFoundError)
 from huggingface_hub.utils import build_hf_headers, get_session
 
-from serving.catalog.errors import HubUnreachable, NoMatchingFiles, RepositoryNotFound
+from berth.errors import InvalidInput
+from serving.catalog.errors import HubRefused, HubUnreachable, NoMatchingFiles, RepositoryNotFound
 
 DEFAULT_QUANT = "Q4_K_M"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -109,11 +111,17 @@ def _hub_call(call, *args, **kwargs):
     except (requests.ConnectionError, requests.Timeout) as error:
         raise HubUnreachable(f"The hub at {endpoint()} is unreachable: {error.__class__.__name__}.",
                              details={"endpoint": endpoint()}) from None
+    except HFValidationError as error:  # a repository id or revision the hub could never hold
+        raise InvalidInput(f"Not a hub repository (owner/name) or revision: {error}",
+                           details={"repo": "owner/name"}) from None
     except HfHubHTTPError as error:
         status = error.response.status_code if error.response is not None else None
         if status is not None and status >= 500:
             raise HubUnreachable(f"The hub at {endpoint()} answered {status}.", details={"endpoint": endpoint()}) from None
-        raise
+        if status == 404:  # no such thing, said without the hub's error header
+            raise RepositoryNotFound("The hub has no such repository or revision.",
+                                     details={"endpoint": endpoint()}) from None
+        raise HubRefused(f"The hub refused the request ({status}).", details={"status": status}) from None
 
 
 def _license(info) -> str:
