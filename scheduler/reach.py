@@ -9,7 +9,6 @@ see its owner scope; one with no owner (a shared model, a stand-in, a scope sinc
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from django.db.models import QuerySet
@@ -39,24 +38,13 @@ def visible_decisions(caller: Any, rows: QuerySet) -> QuerySet:
 
 
 def resolve_owner(caller: Any, written: str | None) -> Scope | None:
-    """The owner scope a caller names for a dry run — its path as the policy writes it (``acme/ml``),
-    ``kind:path`` or its id — among the scopes the caller may see; one outside their reach is "no
-    such scope" (404), exactly like one that does not exist. Empty: shared (None)."""
+    """The owner scope a caller names — its path as the policy writes it (``acme/ml``), ``kind:path``,
+    a unique last element or its id — among the scopes the caller may see; one outside their reach is
+    "no such scope" (404), exactly like one that does not exist. Empty: shared (None)."""
     text = (written or "").strip()
     if not text:
         return None
-    scopes = visible_scopes(caller)
-    if ":" in text or _is_uuid(text):
-        return resolve_scope(text, scopes)
-    found = scopes.filter(path=text.strip("/").lower()).first()
-    if found is None:
-        raise ScopeNotFound(f"No scope {text!r}, or it is outside your reach.", details={"field": "owner"})
-    return found
-
-
-def _is_uuid(text: str) -> bool:
     try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
+        return resolve_scope(text, visible_scopes(caller))
+    except ScopeNotFound as error:
+        raise ScopeNotFound(error.message, details={"field": "owner"}) from None

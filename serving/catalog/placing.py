@@ -19,7 +19,6 @@ the validation's refusals do.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from django.db import transaction
@@ -73,23 +72,10 @@ def resolve_owner(caller: Any, written: str | None) -> Scope | None:
     text = (written or "").strip()
     if not text:
         return None
-    visible = access.visible_to(caller, Scope.objects.all(), "")
-    if ":" not in text and not _is_uuid(text):
-        found = visible.filter(path=text.strip("/").lower()).first()
-        if found is not None:
-            return found
     try:
-        return resolve_scope(text, visible)
+        return resolve_scope(text, access.visible_to(caller, Scope.objects.all(), ""))
     except BerthError as error:
         raise _with_field(error, "owner")
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _require_change(actor: Actor, entry: ModelEntry) -> None:
