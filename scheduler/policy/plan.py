@@ -93,7 +93,9 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             continue
         if model.id in holds:
             hold = holds[model.id]
-            why = f"held back until {hold.until:.0f} after giving room to {hold.beneficiary}"
+            beneficiary = models.get(hold.beneficiary)
+            named = _named_to(beneficiary, model) if beneficiary is not None else "a model since removed"
+            why = f"held back until {hold.until:.0f} after giving room to {named}"
             unschedulable.append(Unschedulable(model.id, why, "held", missing))
             decisions.append(Decision(model.id, "held", ("held",), detail=why))
             continue
@@ -174,7 +176,8 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
                                       beneficiary=model.id))
                 decisions.append(Decision(victim_model.id, "preempted", (f"preempted-tier-{c.tier}",),
                                           node=c.replica.node, accelerators=c.replica.accelerators,
-                                          victims=(c.replica.id,), detail=f"gave room to {model.id}"))
+                                          victims=(c.replica.id,),
+                                          detail=f"gave room to {_named_to(model, victim_model)}"))
             placed.append(commit(demand, profile, spot, fleet, quotas, now))
             victims_of[demand.key] = [c.replica.id for c in chosen]
             unplaced.remove(demand)
@@ -316,3 +319,10 @@ def headroom(snapshot: Snapshot, model_id: str, limit: int = 16) -> dict:
     return {"model": model_id, "more": more, "blocked": blocked, "nodes": where,
             "free_bytes_before": Fleet(snapshot.nodes, apply(snapshot, plan).replicas).total_free_bytes(),
             "free_bytes_after": fleet.total_free_bytes()}
+
+
+def _named_to(model, reader) -> str:
+    """How a decision about ``reader`` names ``model``: by name when both belong to one scope (or are
+    shared), else without it — the victim's owner reads the decision, and another tenant's model
+    names are not theirs to see."""
+    return model.id if model.owner == reader.owner else "a model of another scope"

@@ -188,6 +188,24 @@ def test_critical_preempts_lower_class_minimum_and_holds_the_victim_back():
     assert after.unschedulable[0].code == "held"
 
 
+def test_a_preempted_models_decisions_name_the_winner_only_within_one_scope():
+    """The victim's owner reads its decisions ("gave room to …", "held back … after giving room to
+    …"): another scope's model is not named there."""
+    def preempted(victim_owner, winner_owner):
+        low = model("low", gib=70, capacity_class="opportunistic", owner=victim_owner)
+        crit = model("crit-of-globex", gib=70, capacity_class="critical", owner=winner_owner)
+        snap = Snapshot(NOW, (gpu_node("a", gpus=1),), (low, crit), (ready("r-low", "low", "a", ["a-g0"], 70),))
+        plan = fixed_point(snap)
+        after = schedule(apply(snap, plan))
+        return [d.detail for d in plan.decisions + after.decisions if d.model == "low"]
+
+    for detail in preempted("acme/ml", "globex/ml"):
+        assert "crit-of-globex" not in detail and "another scope" in detail
+    same = preempted("acme/ml", "acme/ml")
+    assert any("gave room to crit-of-globex" in d for d in same)
+    assert any("after giving room to crit-of-globex" in d for d in same)
+
+
 def test_a_critical_minimum_is_never_preempted():
     crit = model("crit", gib=70, capacity_class="critical")
     other = model("other", gib=70, capacity_class="critical", scaling=Scaling(min=1))
