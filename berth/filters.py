@@ -19,7 +19,8 @@ class UtcDateTimeField(IsoDateTimeField):
             moment = super().to_python(value)
             return moment.astimezone(timezone.utc) if moment is not None and moment.tzinfo is not None else moment
         except OverflowError:
-            raise forms.ValidationError("That moment lies outside the years 1 to 9999 in UTC.", code="invalid") from None
+            raise forms.ValidationError("That moment lies outside the years 1 to 9999 in UTC.",
+                                        code="invalid") from None
 
 
 class DateTimeFilter(django_filters.IsoDateTimeFilter):
