@@ -84,8 +84,9 @@ class AuthCache:
         self._entries: dict[bytes, tuple[float, Principal | BerthError]] = {}
         self._by_lookup: dict[str, set[bytes]] = {}
         self._inflight: dict[bytes, asyncio.Future] = {}
-        self._revoked_at: dict[str, float] = {}  # lookup -> monotonic time of the revocation message
-        self._generation = 0  # bumped by clear(): a load begun before it is not kept
+        # Bumped whenever what a load under way read may be stale (a key revoked or changed, a lost
+        # subscription): a load begun before is answered but not kept.
+        self._generation = 0
 
     async def principal(self, plaintext: str) -> Principal:
         digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
@@ -113,9 +114,7 @@ class AuthCache:
         until = started + self.ttl
         if expires_at is not None:
             until = min(until, started + max(0.0, expires_at - time.time()))
-        revoked = self._revoked_at.get(principal.lookup)
-        # A revocation (or a lost subscription) seen while loading: the row may predate it, do not keep it.
-        if generation == self._generation and (revoked is None or revoked < started):
+        if generation == self._generation:
             self._store(digest, principal, until, principal.lookup)
         return principal
 
@@ -138,21 +137,21 @@ class AuthCache:
             self._by_lookup[lookup] = {d for d in self._by_lookup[lookup] if d in self._entries}
             if not self._by_lookup[lookup]:
                 del self._by_lookup[lookup]
-        cutoff = now - 600
-        self._revoked_at = {k: v for k, v in self._revoked_at.items() if v > cutoff}
 
     def drop_lookup(self, lookup: str) -> None:
-        """A key was revoked (or changed): forget it now. Loads under way may have read it before:
-        a request from now on does not join them but reads again (which loads under way belong to
-        this key is not known without its plaintext; a revocation is rare, a second read cheap)."""
-        self._revoked_at[lookup] = time.monotonic()
+        """A key was revoked (or changed): forget it now. Loads under way may have read it before
+        (which of them are this key's is not known without its plaintext): none is kept, and a
+        request from now on reads again rather than join one — a revocation is rare, a read cheap."""
         for digest in self._by_lookup.pop(lookup, ()):
             self._entries.pop(digest, None)
-        self._inflight.clear()
+        self._forget_loads()
 
     def clear(self) -> None:
         """Forget everything, loads under way included (what was missed cannot be known)."""
-        self._generation += 1
         self._entries.clear()
         self._by_lookup.clear()
+        self._forget_loads()
+
+    def _forget_loads(self) -> None:
+        self._generation += 1
         self._inflight.clear()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.errors import AboveCap, AboveContext, BadRequest
+from gateway.errors import AboveCap, AboveContext, BadRequest, shown
 
 GENERATING = frozenset({"chat/completions", "completions"})
 # The fields an engine reads as the most tokens to generate: OpenAI's two and llama.cpp's own
@@ -81,13 +81,13 @@ def check(endpoint: str, payload: dict) -> None:
         for field in OUTPUT_FIELDS:
             value = payload.get(field)
             if value is not None and (not _whole(value) or value < 1):
-                raise BadRequest(f"`{field}` must be a whole number of tokens, at least 1 (not {_short(value)}).",
+                raise BadRequest(f"`{field}` must be a whole number of tokens, at least 1 (not {shown(repr(value))}).",
                                  param=field)
         for field in CHOICE_FIELDS:
             value = payload.get(field)
             if value is not None and (not _whole(value) or not 1 <= value <= MAX_CHOICES):
-                raise BadRequest(f"`{field}` must be a whole number from 1 to {MAX_CHOICES} (not {_short(value)}).",
-                                 param=field)
+                raise BadRequest(f"`{field}` must be a whole number from 1 to {MAX_CHOICES} "
+                                 f"(not {shown(repr(value))}).", param=field)
 
 
 def output_default(endpoint: str, payload: dict, route) -> int | None:
@@ -108,8 +108,3 @@ def output_default(endpoint: str, payload: dict, route) -> int | None:
                                f"ask for {context} or fewer.", param=field,
                                details={"model": route.name, "context": context, "asked": value})
     return cap if cap is not None and not asked else None
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:40] + "…"

@@ -3,12 +3,12 @@
 
 from berth.errors import BerthError, InvalidInput, NotAuthenticated, NotFound, PermissionDenied, Unavailable
 
-SHOWN_NAME = 100  # characters of a caller's model name echoed in an error
+SHOWN_NAME = 100  # characters of what a caller sent (a model name, a value) echoed in an error
 
 
 def shown(name: str) -> str:
-    """A model name the caller sent, as an error echoes it: at most ``SHOWN_NAME`` characters (a
-    name of any length is refused, but never sent back whole)."""
+    """What the caller sent, as an error echoes it: at most ``SHOWN_NAME`` characters (a name of
+    any length is refused, but never sent back whole)."""
     return name if len(name) <= SHOWN_NAME else name[:SHOWN_NAME] + "…"
 
 
@@ -20,18 +20,15 @@ class BadRequest(InvalidInput):
         self.param = param
 
 
-class OutputTooLong(BadRequest):
-    """``max_tokens`` (or ``max_completion_tokens``, ``n_predict``) above what the model allows."""
-
-
-class AboveCap(OutputTooLong):
-    """Above the catalog model's own cap (``max_output_tokens``)."""
+class AboveCap(BadRequest):
+    """``max_tokens`` (or ``max_completion_tokens``, ``n_predict``) above the catalog model's own cap
+    (``max_output_tokens``)."""
 
     code = "max_tokens_above_cap"
 
 
-class AboveContext(OutputTooLong):
-    """Above the longest context the model runs with (it has no cap of its own)."""
+class AboveContext(BadRequest):
+    """The same above the longest context the model runs with (it has no cap of its own)."""
 
     code = "max_tokens_above_context"
 
