@@ -101,16 +101,6 @@ def _url(address: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def _context(engine: str, config: dict) -> int | None:
-    """The context (tokens) an engine runs with this configuration: llama.cpp's ``context`` (all
-    slots together; Berth starts it at the default when unset), vLLM's ``max_model_len`` (unset:
-    the model's own, not known here)."""
-    value = (config or {}).get(profiles.ENGINE_KEYS.get(engine, {}).get("context", "context"))
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return profiles.DEFAULT_CONTEXT if engine == "llamacpp" else None
-
-
 def _longest(contexts: list[int | None]) -> int | None:
     """The longest of the contexts, or None when any is not known (unknown is not a bound)."""
     return None if not contexts or None in contexts else max(contexts)
@@ -124,7 +114,7 @@ def load_table() -> RoutingTable:
                                                                          "owner__path"):
         entry = names.setdefault(row["name"], {"task": row["task"], "states": set(), "contexts": [], "owners": set()})
         entry["states"].add(row["state"])
-        entry["contexts"].append(_context(row["engine"], row["config"]))
+        entry["contexts"].append(profiles.running_context(row["engine"], row["config"]))
         entry["owners"].add(row["owner__path"])
     endpoints: dict[str, list[Endpoint]] = {}
     ready = (Replica.objects.filter(state=DeploymentState.READY, deployment__state__in=LOADABLE_STATES)
@@ -146,7 +136,7 @@ def load_table() -> RoutingTable:
         state = next((s for s in _STATE_ORDER if s in states), DeploymentState.UNKNOWN)
         row = catalog.get(name) or {}
         # What runs bounds a request; before anything runs, what the catalog's profiles would run.
-        contexts = entry["contexts"] or [_context(profiles.engine(p), profiles.engine_config(p))
+        contexts = entry["contexts"] or [profiles.running_context(profiles.engine(p), profiles.engine_config(p))
                                          for p in row.get("profiles") or ()
                                          if isinstance(p, dict) and profiles.engine(p) in profiles.ENGINE_KEYS]
         # The catalog says whose model it is; a model deployed by hand, its deployments, when they agree

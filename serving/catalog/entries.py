@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import transaction
 
 from berth.errors import InvalidInput
+from serving import routing
 from serving.catalog import profiles, validation
 from serving.catalog.errors import FileInUse, ImportFailed, NotServable
 from serving.catalog.models import FetchJob, ModelEntry, ModelFile
@@ -41,7 +42,8 @@ def as_fields(entry: ModelEntry) -> dict[str, Any]:
 
 def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: ModelEntry | None = None) -> ModelEntry:
     """Create or change an entry: checked whole (every problem listed), a new fingerprint when
-    its source or profiles change, an audit event in the same transaction."""
+    its source or profiles change, an audit event in the same transaction. The gateways route by
+    what it holds (names, aliases, owner, fallbacks, cap): they reload once it commits."""
     defaults = {"aliases": [], "description": "", "task": "chat", "source_repo": "", "source_revision": "",
                 "source_path": "", "source_package": "", "quantisation": "", "architecture": "", "scaling_min": 0,
                 "scaling_max": 1, "idle_timeout_seconds": None, "service_class": "", "fallbacks": [],
@@ -62,6 +64,7 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
         entry.save()
         audit.record(actor, "catalog.model.save", entry, scope=entry.owner,
                      details={"name": entry.name, "fingerprint": entry.fingerprint, "previous": before})
+        transaction.on_commit(routing.publish_changed)
     return entry
 
 

@@ -145,10 +145,6 @@ def change(actor: Actor, entry: ModelEntry, values: dict[str, Any], *, owner: An
             if changed:  # scoped to the previous owner: its log shows a model that left it
                 audit.record(actor, "catalog.model.placement", entry, scope=previous,
                              details={"name": entry.name, "changes": changed})
-            if {"max_output_tokens", "fallbacks"} & set(changed):  # the gateways route by them: reload now
-                from serving import routing
-
-                transaction.on_commit(routing.publish_changed)
     except BaseException:
         entry.owner = previous
         raise

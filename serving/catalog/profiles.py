@@ -39,6 +39,15 @@ def engine_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
     return {names[key]: profile[key] for key in names if profile.get(key)}
 
 
+def running_context(kind: str, config: dict | None) -> int | None:
+    """The context (tokens) an engine runs with ``config``: the configured one, else what Berth
+    starts it with — llama.cpp 4096 tokens, vLLM the model's own length (None: only the model knows)."""
+    value = (config or {}).get(ENGINE_KEYS.get(kind, ENGINE_KEYS["llamacpp"])["context"])
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return DEFAULT_CONTEXT if kind == "llamacpp" else None
+
+
 def estimate_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
     """The same settings in the memory estimator's names, for one accelerator of the profile's
     (``estimation_config``: llama.cpp offloads every layer to its GPUs, vLLM shards over them). An
@@ -48,8 +57,9 @@ def estimate_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
 
     kind = kind or engine(profile)
     config = engine_config(profile, kind)
-    if kind == "llamacpp":
-        config.setdefault("context", DEFAULT_CONTEXT)
+    context = running_context(kind, config)
+    if context is not None:
+        config[ENGINE_KEYS[kind]["context"]] = context
     return estimation_config(kind, config, gpus(profile, kind))
 
 
@@ -71,8 +81,7 @@ def degraded(kind: str, config: dict[str, Any], shape, *, on_gpu: bool, shards: 
     GPU's weights to host memory (``--cpu-offload-gb``). ``shape`` is the model's, as read."""
     config = dict(config)
     key = ENGINE_KEYS[kind]["context"]
-    # Unset, llama.cpp runs 4096 tokens and vLLM the model's own length.
-    context = config.get(key) or (DEFAULT_CONTEXT if kind == "llamacpp" else shape.context_length or DEFAULT_CONTEXT)
+    context = running_context(kind, config) or shape.context_length or DEFAULT_CONTEXT
     config[key] = max(MIN_DEGRADED_CONTEXT, context // 2)
     if on_gpu and kind == "llamacpp":
         config["gpu_layers"] = shape.layers * 3 // 4
