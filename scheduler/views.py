@@ -64,7 +64,7 @@ class NodeDetailView(LoginRequiredMixin, PageView):
         context["node_samples"] = NodeSample.objects.filter(node=node)[:20]
         context["gpu_samples"] = (AcceleratorSample.objects.filter(accelerator__node=node)
                                   .select_related("accelerator")[:40])
-        context["can_act"] = self.request.user.is_staff
+        context["can_act"] = reach.sees_everything(self.request.user)
         context["actions"] = [verb for verb, (allowed, _) in services._TRANSITIONS.items() if node.state in allowed]
         return context
 
@@ -75,7 +75,7 @@ class NodeActionView(LoginRequiredMixin, UserPassesTestMixin, View):
     verbs = {"cordon": services.cordon, "uncordon": services.uncordon, "drain": services.drain}
 
     def test_func(self):
-        return self.request.user.is_staff
+        return reach.sees_everything(self.request.user)
 
     def post(self, request, public_id, verb):
         node = get_object_or_404(Node, public_id=public_id)
@@ -135,7 +135,8 @@ def placement_context(request, query) -> dict:
     lists = placement_service.parked_and_unplaceable(request.user)
     page = reverse("scheduler:placement")
     return {"filters": filters, "decisions": rows[:200], "parked": ParkedModelTable(lists["parked"]),
-            "unplaceable": UnplaceableModelTable(lists["unplaceable"]), "can_retry": request.user.is_staff,
+            "unplaceable": UnplaceableModelTable(lists["unplaceable"]),
+            "can_retry": reach.sees_everything(request.user),
             "live_url": f"{page}?{query.urlencode()}" if query else page,
             "verdicts": PlacementDecision.Verdict.choices, "kinds": PlacementDecision.Kind.choices}
 
@@ -158,7 +159,7 @@ class RetryParkedView(LoginRequiredMixin, UserPassesTestMixin, View):
     the filters the page shows; a plain form post is redirected to the page."""
 
     def test_func(self):
-        return self.request.user.is_staff
+        return reach.sees_everything(self.request.user)
 
     def post(self, request, model):
         from scheduler import recovery_service

@@ -27,7 +27,7 @@ class IsStaff(permissions.BasePermission):
     message = "Only staff may do this with the fleet."
 
     def has_permission(self, request, view):
-        return bool(request.user and request.user.is_authenticated and request.user.is_staff)
+        return reach.sees_everything(request.user)
 
 
 def _accelerators():
