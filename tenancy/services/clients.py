@@ -93,6 +93,9 @@ def update_client(actor: Actor, client: ServiceClient, **fields) -> ServiceClien
         if current.may_manage or _manages(fields.get("access")):
             access.require(actor, "change", current)
         _validate_client(fields)
+        # Every key a gateway may trust now: what it knows of each (active, models, limits) goes stale,
+        # and some may be revoked below.
+        stale = _working_lookups(client)
         before = {name: getattr(current, name) for name in fields}
         update = dict(fields)
         if _manages(fields.get("access")) and not current.may_manage:
@@ -114,15 +117,14 @@ def update_client(actor: Actor, client: ServiceClient, **fields) -> ServiceClien
         if reasons:
             details["revoked"] = _revoke_all(actor, client, "; ".join(reasons))
         audit.record(actor, "client.update", client, details=details)
-        # What a gateway knows of the keys still working (active, models, limits) is stale now.
-        events.credentials_changed(_working_lookups(client))
+        events.credentials_changed(stale)
     access.forget_roles(client)
     return client
 
 
 def _revoke_all(actor: Actor, client: ServiceClient, reason: str) -> list[str]:
-    """Revoke every key ``client`` holds now, one audit event each, announced to the gateways as
-    ``revoke_credential`` does; returns their prefixes. Call inside a transaction holding the client's lock."""
+    """Revoke every key ``client`` holds now, one audit event each; returns their prefixes. Call
+    inside a transaction holding the client's lock; the caller tells the gateways (one message)."""
     now = timezone.now()
     credentials = list(Credential.objects.select_for_update().filter(client=client, revoked_at__isnull=True)
                        .order_by("pk"))
@@ -131,7 +133,6 @@ def _revoke_all(actor: Actor, client: ServiceClient, reason: str) -> list[str]:
         credential.revoked_at = now
         credential.client = client
         audit.record(actor, "credential.revoke", credential, details={"prefix": credential.prefix, "reason": reason})
-        events.credential_revoked(credential.lookup)
     return [credential.prefix for credential in credentials]
 
 

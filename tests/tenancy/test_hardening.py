@@ -163,7 +163,7 @@ def test_existing_management_clients_get_their_granter_from_the_audit_log(person
 
 def test_moving_a_client_into_production_revokes_its_keys(personas, api, monkeypatch):
     published = []
-    monkeypatch.setattr("tenancy.events.credential_revoked", published.append)
+    monkeypatch.setattr("tenancy.events.credentials_changed", published.extend)  # what the gateways are told
     client = clients.create_client(personas.max_actor, personas.acme.project, "app", all_models=True)
     first, _ = clients.create_credential(personas.max_actor, client, name="a")
     second, _ = clients.create_credential(personas.max_actor, client, name="b")
