@@ -1,5 +1,7 @@
 from django.apps import AppConfig
 
+from berth import broker
+
 
 class BerthConfig(AppConfig):
     """The project package as an app: its management commands (bootstrap, serve) and templates."""
@@ -8,6 +10,4 @@ class BerthConfig(AppConfig):
     verbose_name = "Berth"
 
     def ready(self) -> None:
-        from berth import broker
-
         broker.prepare()

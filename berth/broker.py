@@ -6,6 +6,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+from berth.celery import app
+
 
 def prepare() -> None:
     """The file-system transport needs its folders before the first message."""
@@ -17,8 +19,6 @@ def prepare() -> None:
 
 def check(timeout: float = 2.0) -> None:
     """Raise if the broker cannot be reached within ``timeout`` seconds."""
-    from berth.celery import app
-
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=1, timeout=timeout)
         if settings.CELERY_BROKER_URL.startswith(("redis", "rediss", "unix")):

@@ -1,5 +1,8 @@
 from django.urls import reverse
 
+from scheduler.models import Node
+from serving.node.watchdog import levels
+
 # The console's four areas, one per app, in the order a request flows down through them.
 AREAS = (
     ("gateway", "Gateway", "gateway:index"),
@@ -24,9 +27,6 @@ def memory_banner(request):
     """Nodes whose memory the watchdog rates warning or critical, for the banner on every page."""
     if not getattr(request, "user", None) or not request.user.is_authenticated:
         return {}
-    from scheduler.models import Node
-    from serving.watchdog import levels
-
     alerts = [(name, level) for name, level in levels(Node.objects.only("pk", "name")).items()
               if level in ("warning", "critical")]
     return {"memory_alerts": alerts}

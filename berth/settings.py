@@ -253,11 +253,17 @@ SCHEDULER_MODEL_ROOTS = [Path(p).expanduser().resolve() for p in env.words("BERT
 SERVING_STARTUP_SLOTS = env.integer("BERTH_STARTUP_SLOTS", 1, minimum=1, maximum=64)
 SERVING_QUEUE_TIMEOUT_SECONDS = env.integer("BERTH_QUEUE_TIMEOUT_SECONDS", 1800, minimum=1)
 SERVING_STARTUP_TIMEOUT_SECONDS = env.integer("BERTH_STARTUP_TIMEOUT_SECONDS", 900, minimum=5)
+# A wake takes a start-up slot like a start: the request waits this long for it to be awake, then
+# answers 202 with its place in line while the wake goes on, for at most the timeout in all.
+SERVING_WAKE_WAIT_SECONDS = env.integer("BERTH_WAKE_WAIT_SECONDS", 50, minimum=0, maximum=600)
+SERVING_WAKE_TIMEOUT_SECONDS = env.integer("BERTH_WAKE_TIMEOUT_SECONDS", 300, minimum=5, maximum=86400)
 # A stopping replica's requests in flight (as the gateways report them) may finish for this long.
 SERVING_DRAIN_SECONDS = env.integer("BERTH_DRAIN_SECONDS", 30, minimum=0, maximum=3600)
 SERVING_HEARTBEAT_SECONDS = env.integer("BERTH_HEARTBEAT_SECONDS", 5, minimum=1, maximum=300)
-# At critical memory, stop the least important deployment rather than let the kernel's OOM killer choose.
-SERVING_AUTO_PROTECT = env.boolean("BERTH_AUTO_PROTECT", True)
+# At critical memory the watchdog warns (a logged, audited level change and the console's banner,
+# and a warning naming what it would stop); with this on it also stops the least important deployment
+# rather than let the kernel's OOM killer choose. Off by default: stopping a model is an operator's call.
+SERVING_AUTO_PROTECT = env.boolean("BERTH_AUTO_PROTECT", False)
 _ports = env.string("BERTH_ENGINE_PORTS", "20000-29999")
 try:
     SERVING_PORT_RANGE = tuple(int(p) for p in _ports.split("-", 1))
@@ -290,6 +296,9 @@ GATEWAY_ACCESS_LOG = env.boolean("BERTH_GATEWAY_ACCESS_LOG", True)
 GATEWAY_METRICS_TOKEN = env.string("BERTH_METRICS_TOKEN", "")
 # Where the console's playground sends its requests (this server's own /v1/ when unset).
 GATEWAY_INTERNAL_URL = env.string("BERTH_GATEWAY_INTERNAL_URL", "")
+# Where the control worker reaches the gateway (serve_model's smoke request): the same address when
+# set, else the web server that `manage.py serve` (and `make up`) runs on this machine.
+SERVING_GATEWAY_URL = GATEWAY_INTERNAL_URL or "http://127.0.0.1:8000"
 
 # Serving: engines and runtimes
 # Model files a deployment may name are SCHEDULER_MODEL_ROOTS (BERTH_MODEL_ROOTS), the estimate's too.
@@ -319,13 +328,11 @@ SERVING_HUB_TIMEOUT = env.integer("BERTH_HUB_TIMEOUT_SECONDS", 10, minimum=1, ma
 SERVING_MIRROR_ALLOW_PICKLE = env.boolean("BERTH_MIRROR_ALLOW_PICKLE", False)
 # Space a fetch leaves free on the mirror's disk.
 SERVING_MIRROR_DISK_MARGIN_BYTES = env.integer("BERTH_MIRROR_DISK_MARGIN_BYTES", 1 << 30, minimum=0)
-# The worker imports the mirror's tasks (fetch and serve jobs run on the control queue).
-CELERY_IMPORTS = [*globals().get("CELERY_IMPORTS", []), "serving.catalog.tasks"]
 
-# Scheduler II
+# Scheduler: the placement policy
 # How many placement decisions (applied plans, explain and headroom dry runs) are kept as evidence.
 SCHEDULER_DECISION_HISTORY = env.integer("BERTH_SCHEDULER_DECISION_HISTORY", 10_000, minimum=100)
-# The policy's rules an operator may tune (scheduler.snapshot.policy_settings): how long a new replica
+# The policy's rules an operator may tune (scheduler.conf.policy_settings): how long a new replica
 # is safe from preemption, how long a preempted model is held back, how many replicas one preemption
 # may stop, after how many failed launches in a row a model is parked, and how long a waiting load
 # defers to idle replicas worth more before it may push them out. `manage.py bench_policy --only
@@ -335,5 +342,3 @@ SCHEDULER_PREEMPT_HOLD_SECONDS = env.integer("BERTH_SCHEDULER_PREEMPT_HOLD_SECON
 SCHEDULER_MAX_VICTIMS = env.integer("BERTH_SCHEDULER_MAX_VICTIMS", 3, minimum=1, maximum=16)
 SCHEDULER_PARK_AFTER = env.integer("BERTH_SCHEDULER_PARK_AFTER", 5, minimum=1, maximum=50)
 SCHEDULER_STARVED_AFTER_SECONDS = env.integer("BERTH_SCHEDULER_STARVED_AFTER_SECONDS", 30, minimum=0, maximum=3600)
-# Serving's reconcile loop names its snapshot builder here so explain and headroom see its replicas.
-SCHEDULER_SNAPSHOT_PROVIDER = env.string("BERTH_SCHEDULER_SNAPSHOT_PROVIDER", "serving.deployments.placement.snapshot")

@@ -1,11 +1,10 @@
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.http import JsonResponse
-from django.views.defaults import page_not_found
-from django.views.defaults import server_error as default_server_error
+from django.views.defaults import page_not_found, server_error as default_server_error
 
 from berth.api import error_body
-
 from berth.htmx import PageView
+from scheduler.models import Node
 
 
 class DashboardView(LoginRequiredMixin, PageView):
@@ -15,8 +14,6 @@ class DashboardView(LoginRequiredMixin, PageView):
     fragment_template_name = "dashboard_fragment.html"
 
     def get_context_data(self, **kwargs):
-        from scheduler.models import Node
-
         context = super().get_context_data(**kwargs)
         context["node_count"] = Node.objects.count()
         context["nodes_ready"] = Node.objects.filter(state=Node.State.READY).count()

@@ -2,7 +2,7 @@
 
 Django's request path costs milliseconds a request; this path costs a fraction of one. On the hot
 path there is no database access: keys come from an in-process cache (``gateway.auth``), the routing
-table from another (``serving.routing.RoutingCache``), limits cost one Redis round trip
+table from another (``serving.control.routing.RoutingCache``), limits cost one Redis round trip
 (``gateway.limits``), usage and the access log are queued and written in batches
 (``gateway.usage``). Requests go to engines over one pooled aiohttp session.
 
@@ -30,18 +30,36 @@ import orjson
 from django.conf import settings
 
 from berth.errors import BerthError
-from gateway import metrics
+from gateway import bodies, metrics, splits
 from gateway.auth import AuthCache, Principal
-from gateway import bodies, splits
-from gateway.errors import (ERROR_TYPES, BadRequest, EndpointNotFound, EnvironmentNotAllowed, InferenceNotAllowed,
-                            LimiterUnavailable, MethodNotAllowed, MetricsNotAllowed, MissingKey, ModelLoading,
-                            ModelNotAllowed, ModelNotFound, NoReplica, QueueFull, TooLarge, UpstreamError,
-                            UpstreamTimeout, shown)
-from gateway.limits import LocalLimiter, Limiter
+from gateway.errors import (
+    ERROR_TYPES,
+    BadRequest,
+    EndpointNotFound,
+    EnvironmentNotAllowed,
+    InferenceNotAllowed,
+    LimiterUnavailable,
+    MethodNotAllowed,
+    MetricsNotAllowed,
+    MissingKey,
+    ModelLoading,
+    ModelNotAllowed,
+    ModelNotFound,
+    NoReplica,
+    QueueFull,
+    TooLarge,
+    UpstreamError,
+    UpstreamTimeout,
+    shown,
+)
+from gateway.limits import Limiter, LocalLimiter
 from gateway.threads import run_db
 from gateway.upstream import Balancer
 from gateway.usage import UsageRecorder
-from serving import load, routing
+from serving import load
+from serving.control import ondemand, routing
+from serving.events import ROUTING_CHANNEL
+from serving.models.states import LOADABLE
 from tenancy import events
 from tenancy.services.clients import credential_from_header
 
@@ -237,7 +255,7 @@ class Gateway:
     def _on_event(self, channel: str, message: str) -> None:
         if channel == events.CREDENTIAL_REVOKED:
             self.auth.drop_lookup(message)
-        elif channel == routing.CHANNEL:
+        elif channel == ROUTING_CHANNEL:
             self.routing.invalidate()
 
     async def _heard(self, channel: str, message: str) -> None:
@@ -255,7 +273,7 @@ class Gateway:
         """A subscription Redis has confirmed (or None when Redis cannot be reached now: ``_listen``
         keeps trying). The key cache starts over: what was published before cannot be known."""
         pubsub = self.redis.pubsub()
-        channels = {events.CREDENTIAL_REVOKED.encode(), routing.CHANNEL.encode()}
+        channels = {events.CREDENTIAL_REVOKED.encode(), ROUTING_CHANNEL.encode()}
         try:
             async with asyncio.timeout(5):
                 await pubsub.subscribe(*channels)
@@ -559,15 +577,15 @@ class Gateway:
         metrics.WAITING.labels(model).inc()
         began = time.perf_counter()
         try:
-            ticket = await run_db(routing.request_load, model)  # raises ModelNotLoadable: 503, no Retry-After
+            ticket = await run_db(ondemand.request_load, model)  # raises NotLoadable: 503, no Retry-After
             deadline = began + self.admission_timeout
             while True:
                 table = await self.routing.fresh()
                 current = table.route(model)
                 if current is not None and current.endpoints:
                     return current
-                if current is None or current.state not in routing.LOADABLE_STATES:
-                    ticket = await run_db(routing.request_load, model)
+                if current is None or current.state not in LOADABLE:
+                    ticket = await run_db(ondemand.request_load, model)
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     waited = time.perf_counter() - began

@@ -22,6 +22,7 @@ import time
 from berth.errors import BerthError
 from gateway.limits import Budget, Level, Plan
 from gateway.threads import run_db
+from tenancy.services import clients, contracts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,6 @@ class Principal:
 
 def load_principal(plaintext: str) -> tuple[Principal, float | None]:
     """(principal, expiry as a Unix time or None) for a key; raises Tenancy's refusals. Database."""
-    from tenancy.services import clients, contracts
-
     credential = clients.authenticate(plaintext)
     client = credential.client
     project = client.project

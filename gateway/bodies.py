@@ -91,7 +91,7 @@ def check(endpoint: str, payload: dict) -> None:
 
 
 def output_default(endpoint: str, payload: dict, route) -> int | None:
-    """Check the output the request asks for against ``route`` (a ``serving.routing.ModelRoute``):
+    """Check the output the request asks for against ``route`` (a ``serving.control.routing.ModelRoute``):
     above the model's cap, or with no cap above its context, is refused (400, naming the bound).
     Returns the cap to send when the request names no limit (None: send the body as it is)."""
     if endpoint not in GENERATING:

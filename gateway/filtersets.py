@@ -4,6 +4,7 @@ import django_filters
 
 from berth.filters import DateTimeFilter
 from gateway.models import UsageRecord
+from tenancy.access import subtree
 
 
 class UsageRecordFilterSet(django_filters.FilterSet):
@@ -18,6 +19,4 @@ class UsageRecordFilterSet(django_filters.FilterSet):
         fields = ["request_id", "status", "endpoint", "model", "scope", "since", "until", "key"]
 
     def under_scope(self, queryset, name, value):
-        from django.db.models import Q
-
-        return queryset.filter(Q(scope_path=value) | Q(scope_path__startswith=value.rstrip("/") + "/"))
+        return queryset.filter(subtree(value.rstrip("/"), "scope_path"))

@@ -12,9 +12,10 @@ has its own counters:
 
 ``ADMIT`` checks every level first and charges only when all pass, atomically (a Lua script), so the
 combined rate of any number of gateway processes never passes a limit. Redis's own clock (``TIME``)
-is the one clock, whatever the processes' clocks say. ``SETTLE`` runs after the response: it
-releases the concurrency lease and charges the tokens; settlements are pipelined in batches so they
-cost the hot path nothing.
+is the one clock, whatever the processes' clocks say (a test may inject one instead, as for
+``LocalLimiter``: ``Limiter(redis, lease, clock=...)``, so it drives time rather than waits).
+``SETTLE`` runs after the response: it releases the concurrency lease and charges the tokens;
+settlements are pipelined in batches so they cost the hot path nothing.
 
 Keys are built in the script from the bases in a per-key spec (buckets are suffixed by minute),
 not declared as KEYS: fine on one Redis or a replicated one; Redis Cluster would need the bases
@@ -37,15 +38,23 @@ log = logging.getLogger(__name__)
 
 PREFIX = "berth:gw:"
 
-# ARGV: request id, lease ms, day (YYYYMMDD), month (YYYYMM), spec. The spec is precomputed per key:
+# ARGV: request id, lease ms, day (YYYYMMDD), month (YYYYMM), spec, and only with an injected clock
+# the time in microseconds (else Redis's TIME). The spec is precomputed per key:
 # "base,rpm,tpm,conc;..." for levels, then "|", then "budgetbase,daily,monthly,hard;..." (0 = none).
 # Few arguments, because packing each one costs the gateway more than the script costs Redis.
 ADMIT = """
-local t = redis.call('TIME')
-local sec = tonumber(t[1])
-local now_ms = sec * 1000 + math.floor(tonumber(t[2]) / 1000)
+local sec, usec
+if ARGV[6] then
+  local us = tonumber(ARGV[6])
+  sec = math.floor(us / 1000000)
+  usec = us - sec * 1000000
+else
+  local t = redis.call('TIME')
+  sec, usec = tonumber(t[1]), tonumber(t[2])
+end
+local now_ms = sec * 1000 + math.floor(usec / 1000)
 local minute = math.floor(sec / 60)
-local frac = ((sec % 60) + tonumber(t[2]) / 1000000) / 60
+local frac = ((sec % 60) + usec / 1000000) / 60
 local rid, lease, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local bar = string.find(spec, '|', 1, true)
 local levels, budgets = {}, {}
@@ -114,10 +123,11 @@ for _, v in ipairs(figures) do out[#out + 1] = v end
 return out
 """
 
-# ARGV: request id, tokens, day, month, spec (as ADMIT's).
+# ARGV: request id, tokens, day, month, spec (as ADMIT's), and the injected time as ADMIT's.
 SETTLE = """
-local t = redis.call('TIME')
-local minute = math.floor(tonumber(t[1]) / 60)
+local sec
+if ARGV[6] then sec = math.floor(tonumber(ARGV[6]) / 1000000) else sec = tonumber(redis.call('TIME')[1]) end
+local minute = math.floor(sec / 60)
 local rid, tokens, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local bar = string.find(spec, '|', 1, true)
 for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+),(%d+),(%d+),(%d+)') do
@@ -251,10 +261,20 @@ def rate_headers(plan: Plan, figures: list[int], frac: float) -> list[tuple[byte
     return headers
 
 
+def _microseconds(now: float) -> str:
+    """An injected clock's time as the scripts' last argument (in place of Redis's ``TIME``)."""
+    return str(int(now * 1_000_000))
+
+
 class Limiter:
-    def __init__(self, redis, lease_seconds: float):
+    """The limits in Redis. ``clock`` (seconds since the epoch, e.g. ``time.time``) replaces Redis's
+    ``TIME`` in the scripts: tests drive time with it. Without one (production), every process
+    reads the one Redis clock."""
+
+    def __init__(self, redis, lease_seconds: float, clock=None):
         self.redis = redis
         self.lease_ms = int(lease_seconds * 1000)
+        self.clock = clock
         self._admit = redis.register_script(ADMIT) if redis is not None else None
         self._settle = redis.register_script(SETTLE) if redis is not None else None
         self._pending: list[tuple] = []
@@ -264,9 +284,12 @@ class Limiter:
         """Check and charge every level in one round trip; raise a 429 (with headers) when one refuses."""
         if plan.empty or self._admit is None:
             return Admission(headers=[])
-        now = time.time()
+        now = self.clock() if self.clock is not None else time.time()
         day, month = _periods(now)
-        result = await self._admit(keys=(), args=(request_id, self.lease_ms, day, month, plan.spec))
+        args = (request_id, self.lease_ms, day, month, plan.spec)
+        if self.clock is not None:
+            args += (_microseconds(now),)
+        result = await self._admit(keys=(), args=args)
         return self._decide(plan, result, now)
 
     def _decide(self, plan: Plan, result: list, now: float) -> Admission:
@@ -307,8 +330,12 @@ class Limiter:
             return
         if not plan.settles:
             return
-        day, month = _periods(time.time())
-        self._pending.append((request_id, max(0, int(tokens or 0)), day, month, plan.spec))
+        now = self.clock() if self.clock is not None else time.time()
+        day, month = _periods(now)
+        args = (request_id, max(0, int(tokens or 0)), day, month, plan.spec)
+        if self.clock is not None:
+            args += (_microseconds(now),)
+        self._pending.append(args)
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 

@@ -8,23 +8,21 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from gateway.models import UsageRecord
+from berth.errors import InvalidInput
+from gateway import charts as draw
+from gateway.models import ModelSplit, UsageRecord
+from gateway.usage import retry_parked
+from serving import events
+from serving.models import Deployment, ModelEntry
 from tenancy import access
+from tenancy.errors import Forbidden
 
 
-def visible_usage(caller):
-    """Usage records of the scopes where ``caller`` holds a role (everything for a superuser). Narrowed
-    by the record's own ``scope_path``, so no join and no row of another tenancy."""
-    queryset = UsageRecord.objects.all()
-    if access.is_superuser(caller):
-        return queryset
-    grants = access.roles(caller)
-    if not grants:
-        return queryset.none()
-    condition = Q()
-    for path in grants:
-        condition |= Q(scope_path=path) | Q(scope_path__startswith=path + "/")
-    return queryset.filter(condition)
+def visible_usage(caller, queryset=None):
+    """Usage records (of ``queryset``, default all) of the scopes where ``caller`` holds a role
+    (everything for a superuser). Narrowed by the record's own ``scope_path``, so no join and no row
+    of another tenancy."""
+    return access.visible_by_path(caller, UsageRecord.objects.all() if queryset is None else queryset, "scope_path")
 
 
 def totals_by_model_and_day(queryset, days: int = 14) -> list[dict]:
@@ -41,8 +39,6 @@ def retry_parked_usage() -> int:
     """Write usage batches the database refused earlier (parked on Redis)."""
     from django.conf import settings
 
-    from gateway.usage import retry_parked
-
     return retry_parked(settings.REDIS_URL)
 
 
@@ -53,9 +49,6 @@ ENVIRONMENTS = ("production", "staging", "development")
 
 def known_model_names() -> set[str]:
     """Names a request may route to: catalog names and aliases, and deployments' names."""
-    from serving.catalog.models import ModelEntry
-    from serving.models import Deployment
-
     names = set(Deployment.objects.values_list("name", flat=True).distinct())
     for name, aliases in ModelEntry.objects.values_list("name", "aliases"):
         names.add(name)
@@ -65,8 +58,6 @@ def known_model_names() -> set[str]:
 
 def clean_split(model_name: str, variants, environments) -> tuple[str, list[dict], list[str]]:
     """Validate a split's fields; returns them normalised. Raises ``InvalidInput`` naming the field."""
-    from berth.errors import InvalidInput
-
     model_name = (model_name or "").strip()
     if not model_name or len(model_name) > 200:
         raise InvalidInput("A split needs the model name it answers to (up to 200 characters).",
@@ -110,11 +101,10 @@ def may_manage_split(caller, scope) -> bool:
     return scope is not None and access.can(caller, "change", scope)
 
 
-def visible_splits(caller):
-    """Fleet-wide splits (they apply to everyone) and the splits of scopes the caller can see."""
-    from gateway.models import ModelSplit
-
-    queryset = ModelSplit.objects.select_related("scope")
+def visible_splits(caller, queryset=None):
+    """Fleet-wide splits (they apply to everyone) and the splits of scopes the caller can see (of
+    ``queryset``, default all)."""
+    queryset = ModelSplit.objects.select_related("scope") if queryset is None else queryset
     user = getattr(caller, "user", caller)
     if access.is_superuser(caller) or getattr(user, "is_staff", False):
         return queryset
@@ -125,19 +115,13 @@ def visible_splits(caller):
 def _changed() -> None:
     from django.db import transaction
 
-    from serving import routing
-
-    transaction.on_commit(routing.publish_changed)  # every gateway process reloads its table now
+    transaction.on_commit(events.routing_changed)  # every gateway process reloads its table now
 
 
 def save_split(caller, split, *, model_name: str, scope, variants, environments, enabled: bool = True,
                note: str = ""):
     """Create (``split`` None) or change a split, checked and validated; routing follows at once."""
     from django.db import IntegrityError, transaction
-
-    from berth.errors import InvalidInput
-    from gateway.models import ModelSplit
-    from tenancy.errors import Forbidden
 
     for where in ([scope] if split is None else [split.scope, scope]):
         if not may_manage_split(caller, where):
@@ -158,8 +142,6 @@ def save_split(caller, split, *, model_name: str, scope, variants, environments,
 
 
 def delete_split(caller, split) -> None:
-    from tenancy.errors import Forbidden
-
     if not may_manage_split(caller, split.scope):
         raise Forbidden("Only staff or an admin of the split's scope may remove it.")
     split.delete()
@@ -216,8 +198,6 @@ def latency_by_model(queryset, days: int = 14) -> list[dict]:
 
 def charts(queryset, days: int = 14) -> dict:
     """The console's three charts (two queries)."""
-    from gateway import charts as draw
-
     daily = per_day(queryset, days)
     labels = [row["day"].strftime("%m-%d") for row in daily]
     latency = latency_by_model(queryset, days)

@@ -13,7 +13,8 @@ import bisect
 import dataclasses
 import hashlib
 
-from serving import routing
+from gateway.models import ModelSplit
+from serving.control import routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,6 @@ def callable_models(table: routing.RoutingTable, project_path: str, environment:
 
 def load_splits() -> dict[str, tuple[Split, ...]]:
     """Every enabled split, by the model name it answers to, most specific scope first. One query."""
-    from gateway.models import ModelSplit
-
     found: dict[str, list[Split]] = {}
     rows = ModelSplit.objects.filter(enabled=True).values_list("model_name", "scope__path", "variants",
                                                                 "environments")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from serving.routing import Endpoint
+from serving.control.routing import Endpoint
 
 
 class Balancer:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-
-import orjson
 import logging
 from datetime import datetime, timezone
 from decimal import Decimal
 
+import orjson
+
+from gateway.models import ModelPrice, UsageRecord
 from gateway.threads import run_db
+from serving import load
+from serving.catalog import speed
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("berth.gateway.access")
@@ -29,16 +32,12 @@ FIELDS = ("request_id", "started_at", "finished_at", "endpoint", "stream", "mode
 
 
 def _prices(models: set[str]) -> dict[str, tuple[Decimal, Decimal]]:
-    from gateway.models import ModelPrice
-
     return {row.model_name: (row.prompt_per_1k, row.completion_per_1k)
             for row in ModelPrice.objects.filter(model_name__in=models)}
 
 
 def write_batch(rows: list[dict]) -> int:
     """Insert ``rows`` (dicts of ``FIELDS``, times as Unix seconds), pricing them. Database."""
-    from gateway.models import UsageRecord
-
     prices = _prices({row["model_served"] for row in rows if row.get("model_served")})
     records = []
     for row in rows:
@@ -61,15 +60,12 @@ def _tell_serving(rows: list[dict]) -> None:
     """Tell Serving what a batch says: when each model was last served (idle on-demand models are
     unloaded after their timeout) and how fast each catalog profile generated (placement prefers
     the faster). A missed note only delays an unload or a preference; the usage still gets written."""
-    from serving import ondemand
-    from serving.catalog import speed
-
     last: dict[str, float] = {}
     for row in rows:
         name, at = row.get("model_served"), row.get("finished_at") or row.get("started_at")
         if name and isinstance(at, (int, float)):
             last[name] = max(at, last.get(name, 0.0))
-    for what, note in (("when models were last used", lambda: ondemand.note_used(last)),
+    for what, note in (("when models were last used", lambda: load.note_used(last)),
                        ("how fast profiles generated", lambda: speed.note(rows))):
         try:
             note()

@@ -8,36 +8,43 @@ from datetime import timedelta
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
-from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.views import View
 
-from berth.errors import BerthError
-from berth.htmx import PageView, render_page, wants_fragment
-from gateway import services
+from berth.errors import BerthError, NotFound
+from berth.htmx import render_page, wants_fragment
+from gateway import services, splits
 from gateway.filtersets import UsageRecordFilterSet
+from gateway.models import ModelSplit, UsageRecord
 from tenancy import access
+from tenancy.audit import Actor
+from tenancy.console import ConsoleMixin, ConsolePage, ObjectAction
+from tenancy.models import Scope, ServiceClient
+from tenancy.services import clients
 
 PLAYGROUND_KEY_LIFETIME = timedelta(minutes=10)
 _SESSION_KEYS = "gateway_playground_keys"
 
 
 def _visible_scope_paths(user) -> list[str]:
-    from tenancy.models import Scope
-
     return list(access.visible_to(user, Scope.objects.all(), "").order_by("path").values_list("path", flat=True)[:500])
 
 
-class IndexView(LoginRequiredMixin, PageView):
+class IndexView(ConsolePage):
     """Recent requests (one line each), charts and usage by model and day, one request by its id,
     and the model splits."""
 
+    model = UsageRecord
     template_name = "gateway/index.html"
+
+    def narrow(self, queryset):
+        return services.visible_usage(self.request.user, queryset)
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
         user = self.request.user
-        visible = services.visible_usage(user)
+        visible = self.get_queryset()
         filterset = UsageRecordFilterSet(self.request.GET or None, queryset=visible)
         records = filterset.qs if filterset.is_bound and filterset.is_valid() else visible
         scope = (self.request.GET.get("scope") or "").strip()
@@ -49,12 +56,15 @@ class IndexView(LoginRequiredMixin, PageView):
         return context
 
 
-class SplitSaveView(LoginRequiredMixin, View):
-    """Create a split from the console form: variants written as ``model:weight, model:weight``."""
+class SplitSaveView(ConsoleMixin, View):
+    """Create a split from the console form: variants written as ``model:weight, model:weight``; the
+    scope by its path, among those the caller sees (another's is a 404)."""
+
+    http_method_names = ["post"]
+    model = Scope
+    scope_field = ""
 
     def post(self, request):
-        from tenancy.models import Scope
-
         data = request.POST
         variants = []
         try:
@@ -64,11 +74,7 @@ class SplitSaveView(LoginRequiredMixin, View):
         except ValueError:
             messages.error(request, "Variants are written model:weight, separated by commas.")
             return redirect("gateway:index")
-        scope = None
-        if data.get("scope"):
-            scope = Scope.objects.filter(path=data["scope"]).first()
-            if scope is None or not access.can(request.user, "view", scope):
-                raise Http404
+        scope = get_object_or_404(self.get_queryset(), path=data["scope"]) if data.get("scope") else None
         try:
             services.save_split(request.user, None, model_name=data.get("model_name", ""), scope=scope,
                                 variants=variants, environments=data.getlist("environments"),
@@ -80,19 +86,23 @@ class SplitSaveView(LoginRequiredMixin, View):
         return redirect("gateway:index")
 
 
-class SplitDeleteView(LoginRequiredMixin, View):
-    def post(self, request, public_id):
-        split = get_object_or_404(services.visible_splits(request.user), public_id=public_id)
-        try:
-            services.delete_split(request.user, split)
-        except BerthError as error:
-            messages.error(request, error.message)
-        return redirect("gateway:index")
+class SplitDeleteView(ObjectAction):
+    """Remove a visible split; a refusal (not an admin of its scope) is said on the usage page."""
+
+    model = ModelSplit
+    page_refusals = (NotFound,)
+
+    def narrow(self, queryset):
+        return services.visible_splits(self.request.user, queryset)
+
+    def perform(self, split, data):
+        services.delete_split(self.request.user, split)
+
+    def success_url(self, split, result):
+        return reverse("gateway:index")
 
 
 def _usable_clients(user):
-    from tenancy.models import ServiceClient
-
     clients = access.visible_to(user, ServiceClient.objects.filter(is_active=True).select_related("project"),
                                 "project").order_by("project__path", "name")
     return [c for c in clients if c.may_infer and access.can(user, "use", c)]
@@ -101,9 +111,6 @@ def _usable_clients(user):
 def _playground_key(request, client) -> str:
     """A short-lived key of ``client`` for the playground: minted through Tenancy (audited) and kept
     only in the caller's session until it nearly expires. Never rendered, never logged."""
-    from tenancy.audit import Actor
-    from tenancy.services import clients
-
     kept = request.session.get(_SESSION_KEYS, {})
     now = time.time()
     entry = kept.get(str(client.public_id))
@@ -169,8 +176,6 @@ class PlaygroundView(LoginRequiredMixin, View):
     def _choices(request) -> dict:
         """The caller's clients and what any of them may call — as ``/v1/models`` lists it for each
         client's key, so a split scoped to another tenant is never named here either."""
-        from gateway import splits
-
         table = splits.load_table()
         usable = _usable_clients(request.user)
         models = set()
@@ -183,8 +188,6 @@ class PlaygroundView(LoginRequiredMixin, View):
         return render(request, "gateway/playground.html", self._choices(request))
 
     def post(self, request):
-        from tenancy.models import ServiceClient
-
         data = request.POST
         kind = "embedding" if data.get("kind") == "embedding" else "chat"
         model, text = (data.get("model") or "").strip(), data.get("text") or ""

@@ -38,6 +38,12 @@ class ModelOutsideRoots(InvalidInput):
     code = "model_outside_roots"
 
 
+class ModelQuarantined(InvalidInput):
+    """A file the mirror set aside (it failed verification): never estimated, never deployed."""
+
+    code = "model_quarantined"
+
+
 class InsufficientMemory(Conflict):
     """A fit check under the node's lock found too little free memory; details carry the fit and plans."""
 

@@ -1,6 +1,6 @@
 import django_filters
 
-from scheduler.models import Accelerator, CalibrationRecord, Node
+from scheduler.models import Accelerator, CalibrationRecord, Node, PlacementDecision
 
 
 class NodeFilterSet(django_filters.FilterSet):
@@ -35,3 +35,15 @@ class CalibrationRecordFilterSet(django_filters.FilterSet):
     class Meta:
         model = CalibrationRecord
         fields = ["model_key", "model_name", "engine", "engine_version", "outcome"]
+
+
+class PlacementDecisionFilterSet(django_filters.FilterSet):
+    """Filters the console's placement page and the API's ``/api/scheduler/decisions/`` alike."""
+
+    model = django_filters.CharFilter(label="Model")
+    verdict = django_filters.ChoiceFilter(choices=PlacementDecision.Verdict.choices)
+    kind = django_filters.ChoiceFilter(choices=PlacementDecision.Kind.choices)
+
+    class Meta:
+        model = PlacementDecision
+        fields = ["model", "verdict", "kind"]

@@ -14,10 +14,21 @@ from django.db.models import Q, Sum
 
 from scheduler import locks
 from scheduler.errors import (
-    InsufficientMemory, InvalidCalibration, InvalidEstimateRequest, ModelOutsideRoots, NotPlaceable,
+    InsufficientMemory,
+    InvalidCalibration,
+    InvalidEstimateRequest,
+    ModelOutsideRoots,
+    ModelQuarantined,
+    NotPlaceable,
 )
 from scheduler.estimation.engines import (
-    Estimate, LlamaCppConfig, Part, VllmConfig, estimate_llamacpp, estimate_vllm, vllm_utilisation,
+    Estimate,
+    LlamaCppConfig,
+    Part,
+    VllmConfig,
+    estimate_llamacpp,
+    estimate_vllm,
+    vllm_utilisation,
 )
 from scheduler.estimation.reading import read_model
 from scheduler.estimation.shape import ModelShape
@@ -29,11 +40,22 @@ GIB = 2**30
 ENGINES = ("llamacpp", "vllm")
 
 
+def quarantine_root() -> Path:
+    """Where the mirror sets aside files that failed verification: under the first model root, so it
+    is on the same disk, and refused by ``allowed_model_path`` whoever names it."""
+    return Path(settings.SCHEDULER_MODEL_ROOTS[0]) / ".quarantine"
+
+
 def allowed_model_path(path: str | Path) -> Path:
-    """A model path inside one of ``SCHEDULER_MODEL_ROOTS``; anything else is refused."""
+    """A model path inside one of ``SCHEDULER_MODEL_ROOTS`` and outside the mirror's quarantine;
+    anything else is refused."""
     if not str(path).strip():
         raise InvalidEstimateRequest("Name a model file or folder.", details={"model_path": "Required."})
     resolved = Path(path).expanduser().resolve()
+    quarantine = quarantine_root().resolve()
+    if resolved == quarantine or quarantine in resolved.parents:
+        raise ModelQuarantined(f"{path} is in the mirror's quarantine (it failed verification): it is never served.",
+                               details={"model_path": str(path)})
     for root in settings.SCHEDULER_MODEL_ROOTS:
         if resolved == root or root in resolved.parents:
             return resolved
@@ -125,17 +147,25 @@ def calibrated_estimate(shape: ModelShape, engine: str, config, *, engine_versio
 
 # --- budgets -----------------------------------------------------------------------------------
 
-def budget_for(node: Node, accelerator: Accelerator | None = None, *, exclude_holder: str = "") -> fitting.Budget | None:
+def budget_for(node: Node, accelerator: Accelerator | None = None, *, exclude_holder: str = "",
+               freeing: Sequence[str] = ()) -> fitting.Budget | None:
     """The memory budget of a node's RAM (CPU work, unified memory) or of one accelerator.
-    ``None`` when its total was never measured: nothing can be fitted against an unknown."""
+    ``None`` when its total was never measured: nothing can be fitted against an unknown.
+
+    ``freeing``: holders about to give their memory back (a switch fits B where A still runs):
+    their reservations, every shard's, count as free. What they measurably use stays accounted for
+    by them, so it is not mistaken for use outside Berth that would stay."""
     reservations = MemoryReservation.objects.filter(node=node)
     if exclude_holder:
         reservations = reservations.exclude(holder=exclude_holder)
+    leaving = Q(pk__in=[])
+    for holder in freeing:
+        leaving |= Q(holder=holder) | Q(holder__startswith=f"{holder}#")
     if accelerator is None:
         total = node.memory_total_bytes
         if total is None:
             return None
-        reserved = reservations.filter(accelerator__isnull=True).aggregate(s=Sum("bytes"))["s"] or 0
+        reservations = reservations.filter(accelerator__isnull=True)
         used = None if node.memory_available_bytes is None else max(0, total - node.memory_available_bytes)
         margin = settings.SCHEDULER_SAFETY_MARGIN_UNIFIED_GIB * GIB
         label = f"{node.name} memory"
@@ -143,15 +173,17 @@ def budget_for(node: Node, accelerator: Accelerator | None = None, *, exclude_ho
         total = accelerator.memory_total_bytes
         if total is None:
             return None
-        reserved = reservations.filter(accelerator=accelerator).aggregate(s=Sum("bytes"))["s"] or 0
+        reservations = reservations.filter(accelerator=accelerator)
         used = accelerator.memory_used_bytes
         margin = fitting.safety_margin(total, unified_memory=node.unified_memory,
                                        unified_bytes=settings.SCHEDULER_SAFETY_MARGIN_UNIFIED_GIB * GIB,
                                        gpu_percent=settings.SCHEDULER_SAFETY_MARGIN_GPU_PERCENT)
         label = str(accelerator)
+    accounted = reservations.aggregate(s=Sum("bytes"))["s"] or 0
+    freed = (reservations.filter(leaving).aggregate(s=Sum("bytes"))["s"] or 0) if freeing else 0
     # What Berth's replicas use is, as far as the scheduler knows, what they reserved.
-    return fitting.Budget(total_bytes=total, reserved_bytes=reserved, measured_used_bytes=used,
-                          accounted_bytes=reserved, safety_margin_bytes=margin, label=label)
+    return fitting.Budget(total_bytes=total, reserved_bytes=accounted - freed, measured_used_bytes=used,
+                          accounted_bytes=accounted, safety_margin_bytes=margin, label=label)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +201,12 @@ def estimate_and_fit(model_path: str | Path, engine: str, config_values: dict[st
                      engine_version: str | None = None, node: Node | None = None,
                      accelerator: Accelerator | None = None, residents: Sequence[fitting.Resident] = (),
                      variants: Sequence[tuple[str, str]] = (), priority: int = 0,
-                     check_root: bool = True, draft_path: str | Path | None = None) -> EstimateResult:
+                     check_root: bool = True, draft_path: str | Path | None = None,
+                     freeing: Sequence[str] = ()) -> EstimateResult:
     """Will this fit, and what is it made of: the calibrated estimate, and with a node (or one of
     its accelerators) the fit and, if it does not fit, plans. ``draft_path``: a speculative-decoding
-    draft that rides in the same engine (``with_draft``): both fit, or neither."""
+    draft that rides in the same engine (``with_draft``): both fit, or neither. ``freeing``: holders
+    whose memory counts as free (``budget_for``)."""
     path = allowed_model_path(model_path) if check_root else Path(model_path)
     config = engine_config(engine, config_values)
     shape = read_model(path)
@@ -195,7 +229,7 @@ def estimate_and_fit(model_path: str | Path, engine: str, config_values: dict[st
             raise InvalidEstimateRequest("vLLM runs on a GPU: name the accelerator to fit it to.",
                                          details={"accelerator": "Required for vLLM."})
         on_gpu = device != "cpu" and accelerator is not None
-        budget = budget_for(node, accelerator if on_gpu else None)
+        budget = budget_for(node, accelerator if on_gpu else None, freeing=freeing)
         if budget is None:
             notes.append("The memory total was never measured: the fit cannot be checked.")
         else:

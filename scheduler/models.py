@@ -293,7 +293,7 @@ class RecoveryState(models.Model):
                             help_text="The last failure's kind; empty when there is nothing to recover from.")
     consecutive = models.PositiveIntegerField(default=0, help_text="Failed launches in a row.")
     last_failure_at = models.DateTimeField(null=True, blank=True)
-    level = models.PositiveSmallIntegerField(default=0, help_text="0 full, 1 degraded, 2 fallback.")
+    level = models.PositiveSmallIntegerField(default=0, help_text="0 full, 1 degraded, 2 minimal (the last rung: smallest context, one slot, on the CPU where the engine can).")
     fingerprint = models.CharField(max_length=32, blank=True,
                                    help_text="The catalog definition the last failure was with.")
     parked = models.BooleanField(default=False)

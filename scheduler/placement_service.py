@@ -13,6 +13,7 @@ from scheduler.models import PlacementDecision, RecoveryState
 from scheduler.policy import plan as policy
 from scheduler.policy.inputs import Plan, Snapshot
 from scheduler.policy.placement import Fleet
+from tenancy.models import Scope
 
 HISTORY_DEFAULT = 10_000
 
@@ -35,8 +36,6 @@ def trim_history() -> int:
 def _owners(snapshot: Snapshot) -> dict:
     """{model id: its owner Scope} for the snapshot's models that have one (one query): the row
     keeps who may read it."""
-    from tenancy.models import Scope
-
     paths = {m.id: m.owner for m in snapshot.models if m.owner}
     scopes = {s.path: s for s in Scope.objects.filter(path__in=set(paths.values()))}
     return {model: scopes[path] for model, path in paths.items() if path in scopes}

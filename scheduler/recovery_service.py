@@ -20,7 +20,7 @@ from scheduler.errors import ModelNotParked
 from scheduler.models import RecoveryState
 from scheduler.policy import recovery
 from scheduler.policy.inputs import FailureState, Settings
-from scheduler.snapshot import policy_settings
+from scheduler.conf import policy_settings
 from tenancy import audit
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def note_failure(model: str, kind: str, error: str = "", fingerprint: str = "", 
                  at=None, settings: Settings | None = None) -> RecoveryState:
     """One more failed launch of ``model`` (crash / oom / hang), one step down the ladder.
     ``fallback``: whether the model has a fallback in the catalog; without one, the step that would
-    fall back parks it.
+    fall back is the minimal footprint, tried once, and the failure after it parks the model.
 
     Failures of an earlier definition (another fingerprint) are forgotten first: a changed model
     starts a fresh ladder."""
@@ -91,6 +91,16 @@ def describe(row: RecoveryState) -> dict:
             "consecutive": row.consecutive, "level": row.level, "last_error": row.last_error,
             "last_failure_at": row.last_failure_at, "since": since, "detail": why,
             "retried_by": row.retried_by, "retried_at": row.retried_at, "retriable": row.parked}
+
+
+def parked_now(model: str, fingerprint: str = "") -> dict | None:
+    """``model``'s row as ``describe`` shows it when the policy treats it as parked now: parked for
+    the definition ``fingerprint`` (a changed definition is placed again, as ``recovery.next_step``
+    decides); None otherwise. What the gateway answers a request for a parked model with."""
+    row = RecoveryState.objects.filter(model=model, parked=True).first()
+    if row is None or (fingerprint and row.parked_fingerprint != fingerprint):
+        return None
+    return describe(row)
 
 
 def parked(limit: int = 200, models=None) -> list[dict]:

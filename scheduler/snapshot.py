@@ -23,11 +23,21 @@ with ``scheduler.placement_service.record_plan``.
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from typing import Callable
+
 from django.db.models import Prefetch
 
 from scheduler import memory
-from scheduler.models import Accelerator, ModelDirectory, Node, NodeEngine
-from scheduler.policy.inputs import AcceleratorInfo, NodeInfo, Resources, ScopeContract, Settings
+from scheduler.conf import policy_settings
+from scheduler.models import Accelerator, MemoryReservation, ModelDirectory, Node, NodeEngine
+from scheduler.policy.inputs import AcceleratorInfo, NodeInfo, ReplicaInfo, Resources, ScopeContract, Snapshot
+from scheduler.recovery_service import failure_states
+from tenancy.models import Contract
+
+__all__ = ["contracts_from_tenancy", "current_snapshot", "inventory", "policy_settings", "register_provider",
+           "reservations_as_replicas"]
 
 
 def _accelerator(node: Node, acc: Accelerator) -> AcceleratorInfo | None:
@@ -66,8 +76,6 @@ def inventory(nodes=None) -> tuple[NodeInfo, ...]:
 
 def contracts_from_tenancy() -> tuple[ScopeContract, ...]:
     """Tenancy's capacity contracts as plain data (GPUs, cores, GPU memory in GiB)."""
-    from tenancy.models import Contract
-
     def figures(contract, side):
         def value(stem):
             raw = getattr(contract, f"{stem}_{side}")
@@ -82,9 +90,6 @@ def contracts_from_tenancy() -> tuple[ScopeContract, ...]:
 def reservations_as_replicas() -> tuple:
     """Memory reservations as pinned stand-in replicas, so a dry run without Serving's replicas
     still sees the memory they hold (never evicted: the policy does not know what they are)."""
-    from scheduler.models import MemoryReservation
-    from scheduler.policy.inputs import ReplicaInfo
-
     rows = MemoryReservation.objects.select_related("node", "accelerator").order_by("holder")
     held: dict[str, list] = {}  # a tensor-parallel replica's shards are one stand-in on several accelerators
     for r in rows:
@@ -95,38 +100,24 @@ def reservations_as_replicas() -> tuple:
                  for holder, shards in held.items())
 
 
-def policy_settings():
-    """The policy's tunable rules as the operator set them (``BERTH_SCHEDULER_*``): every snapshot the
-    running system builds, and the recovery ladder's memory, use these."""
-    from django.conf import settings
+_provider: Callable[[], Snapshot] | None = None
 
-    park_after = settings.SCHEDULER_PARK_AFTER
-    return Settings(min_lifetime_s=settings.SCHEDULER_MIN_LIFETIME_SECONDS,
-                    preempt_hold_s=settings.SCHEDULER_PREEMPT_HOLD_SECONDS, max_victims=settings.SCHEDULER_MAX_VICTIMS,
-                    park_after=park_after, crash_retries=park_after - 1,
-                    starved_after_s=settings.SCHEDULER_STARVED_AFTER_SECONDS)
+
+def register_provider(provider: Callable[[], Snapshot]) -> None:
+    """Name the callable that builds the running system's full snapshot (Serving registers its
+    reconcile loop's builder when the app loads): scheduler never imports the apps above it."""
+    global _provider
+    _provider = provider
 
 
 def current_snapshot(models=(), *, now: float | None = None):
     """A snapshot for dry runs asked from the API or console: the inventory, the reservations and
-    ``models``. When ``SCHEDULER_SNAPSHOT_PROVIDER`` names a callable (Serving sets it to its
-    reconcile loop's builder), that callable returns the full snapshot instead and ``models`` are
-    added to it."""
-    import dataclasses
-    import time
-
-    from django.conf import settings
-    from django.utils.module_loading import import_string
-
-    from scheduler.policy.inputs import Snapshot
-
-    provider = getattr(settings, "SCHEDULER_SNAPSHOT_PROVIDER", "")
-    if provider:
-        snap = import_string(provider)()
+    ``models``. When a provider is registered (``register_provider``), it returns the full snapshot
+    instead and ``models`` are added to it."""
+    if _provider is not None:
+        snap = _provider()
         known = {m.id for m in models}
         return dataclasses.replace(snap, models=tuple(m for m in snap.models if m.id not in known) + tuple(models))
-    from scheduler.recovery_service import failure_states
-
     return Snapshot(now=time.time() if now is None else now, nodes=inventory(), models=tuple(models),
                     replicas=reservations_as_replicas(), contracts=contracts_from_tenancy(),
                     failures=failure_states(), settings=policy_settings())

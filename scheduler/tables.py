@@ -103,7 +103,7 @@ def _ago(value):
     return None if value is None else f"{timesince(value)} ago"
 
 
-_LEVELS = {0: "full", 1: "degraded", 2: "fallback"}
+_LEVELS = {0: "full", 1: "degraded", 2: "minimal"}
 
 
 class ParkedModelTable(Table):

@@ -1,23 +1,28 @@
+"""The fleet console: nodes and accelerators, a node's telemetry and actions, estimates, placement.
+
+Views are declarations over the console's bases (``tenancy.console``); who sees what of the fleet is
+``scheduler.reach``'s to say.
+"""
+
 from urllib.parse import urlsplit
 
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin, UserPassesTestMixin
 from django.db.models import Prefetch
 from django.http import QueryDict
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import render
 from django.urls import reverse
-from django.utils.cache import patch_vary_headers
 from django.views import View
 
-from berth.errors import BerthError
-from berth.htmx import PageView, render_page, wants_fragment
-from scheduler import memory, reach, services
-from scheduler.filtersets import NodeFilterSet
+from berth.errors import BerthError, PermissionDenied
+from berth.htmx import render_page
+from scheduler import memory, placement_service, reach, recovery_service, services
+from scheduler.filtersets import NodeFilterSet, PlacementDecisionFilterSet
 from scheduler.forms import EstimateForm, NodeActionForm
-from scheduler.models import Accelerator, AcceleratorSample, ModelDirectory, Node, NodeSample
+from scheduler.models import Accelerator, AcceleratorSample, ModelDirectory, Node, NodeSample, PlacementDecision
 from scheduler.presenting import estimate_payload
 from scheduler.tables import AcceleratorTable, NodeTable, ParkedModelTable, UnplaceableModelTable
-from tenancy import audit
+from tenancy.console import ConsolePage, ObjectAction, filtered
 
 
 def _accelerators():
@@ -25,38 +30,58 @@ def _accelerators():
         "node__name", "index", "mig_index")
 
 
-class FleetView(LoginRequiredMixin, PageView):
+class StaffOnly(UserPassesTestMixin):
+    """Fleet changes and reading files by path: staff only until tenancy's permissions cover the fleet."""
+
+    def test_func(self):
+        return reach.sees_everything(self.request.user)
+
+
+class FleetMixin:
+    """Nodes, not narrowed: the fleet's capacity is everyone's to read (``scheduler.reach``)."""
+
+    model = Node
+
+    def narrow(self, queryset):
+        return queryset
+
+
+class FleetView(FleetMixin, ConsolePage):
     """The fleet's nodes and accelerators; the tables refresh themselves through the same URL's fragment."""
 
+    queryset = Node.objects.prefetch_related("engines", Prefetch("accelerators", queryset=Accelerator.objects.all()))
     template_name = "scheduler/fleet.html"
     fragment_template_name = "scheduler/fleet_table.html"
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        filterset = NodeFilterSet(self.request.GET, queryset=Node.objects.prefetch_related(
-            "engines", Prefetch("accelerators", queryset=Accelerator.objects.all())))
+        filterset = NodeFilterSet(self.request.GET, queryset=self.get_queryset())
+        nodes = filtered(filterset)
         context["filterset"] = filterset
-        context["table"] = NodeTable(filterset.qs)
-        context["accelerators"] = AcceleratorTable(_accelerators().filter(node__in=filterset.qs),
+        context["table"] = NodeTable(nodes)
+        context["accelerators"] = AcceleratorTable(_accelerators().filter(node__in=nodes),
                                                    empty_message="No GPUs reported by these nodes.")
         context["can_estimate"] = reach.sees_everything(self.request.user)
         return context
 
 
-class NodeDetailView(LoginRequiredMixin, PageView):
+class NodeDetailView(FleetMixin, ConsolePage):
     """A node's capacity and telemetry; what its model directories hold is shown to staff only."""
 
     template_name = "scheduler/node.html"
     fragment_template_name = "scheduler/node_live.html"
 
+    def get_queryset(self):
+        nodes = super().get_queryset().prefetch_related("engines")
+        if reach.sees_everything(self.request.user):
+            nodes = nodes.prefetch_related(
+                Prefetch("model_directories", queryset=ModelDirectory.objects.prefetch_related("weights")))
+        return nodes
+
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
         sees_files = reach.sees_everything(self.request.user)
-        nodes = Node.objects.prefetch_related("engines")
-        if sees_files:
-            nodes = nodes.prefetch_related(
-                Prefetch("model_directories", queryset=ModelDirectory.objects.prefetch_related("weights")))
-        node = get_object_or_404(nodes, public_id=kwargs["public_id"])
+        node = self.get_object()
         context["node"] = node
         context["sees_files"] = sees_files
         context["accelerators"] = AcceleratorTable(_accelerators().filter(node=node),
@@ -69,37 +94,31 @@ class NodeDetailView(LoginRequiredMixin, PageView):
         return context
 
 
-class NodeActionView(LoginRequiredMixin, UserPassesTestMixin, View):
-    """POST cordon / uncordon / drain: staff only until tenancy's permissions cover the fleet."""
+class NodeActionView(StaffOnly, FleetMixin, ObjectAction):
+    """POST cordon / uncordon / drain, with an optional reason; back to the node's page, which says
+    how it went."""
 
+    form_class = NodeActionForm
     verbs = {"cordon": services.cordon, "uncordon": services.uncordon, "drain": services.drain}
 
-    def test_func(self):
-        return reach.sees_everything(self.request.user)
+    def perform(self, node, data):
+        verb = self.verbs.get(self.kwargs["verb"])
+        if verb is None:  # not an action: back to the node
+            return node
+        node = verb(node, self.actor, reason=data["reason"])
+        messages.success(self.request, f"{node.name} is {node.get_state_display().lower()}.")
+        return node
 
-    def post(self, request, public_id, verb):
-        node = get_object_or_404(Node, public_id=public_id)
-        if verb not in self.verbs:
-            return redirect("scheduler:node", public_id=public_id)
-        form = NodeActionForm(request.POST)
-        reason = form.cleaned_data["reason"] if form.is_valid() else ""
-        try:
-            node = self.verbs[verb](node, audit.Actor.from_request(request), reason=reason)
-            messages.success(request, f"{node.name} is {node.get_state_display().lower()}.")
-        except BerthError as error:
-            messages.error(request, error.message)
-        return redirect("scheduler:node", public_id=public_id)
+    def success_url(self, node, result):
+        return reverse("scheduler:node", kwargs={"public_id": node.public_id})
 
 
-class EstimateView(LoginRequiredMixin, UserPassesTestMixin, View):
+class EstimateView(LoginRequiredMixin, StaffOnly, View):
     """Will this fit, and what is it made of: the form, and its answer as a fragment. Staff only, as
     the API's: it reads any file under the model roots by path (others ask a model's card)."""
 
     template_name = "scheduler/estimate.html"
     fragment_template_name = "scheduler/estimate_result.html"
-
-    def test_func(self):
-        return reach.sees_everything(self.request.user)
 
     def get(self, request):
         form = EstimateForm(request.GET or None)
@@ -121,27 +140,29 @@ class EstimateView(LoginRequiredMixin, UserPassesTestMixin, View):
         return {"result": estimate_payload(result)}
 
 
-def placement_context(request, query) -> dict:
-    """The placement page's live part: decisions with ``query``'s filters, the parked and
-    unplaceable lists (``query`` is the page's own query string, also when a retry answers)."""
-    from scheduler import placement_service
-    from scheduler.models import PlacementDecision
+class PlacementMixin:
+    """Placement decisions, read by those who see the model's owner (``reach.visible_decisions``)."""
 
-    filters = {k: query.get(k, "").strip() for k in ("model", "verdict", "kind")}
-    rows = reach.visible_decisions(request.user, PlacementDecision.objects.all())
-    for field, value in filters.items():
-        if value:
-            rows = rows.filter(**{field: value})
-    lists = placement_service.parked_and_unplaceable(request.user)
-    page = reverse("scheduler:placement")
-    return {"filters": filters, "decisions": rows[:200], "parked": ParkedModelTable(lists["parked"]),
-            "unplaceable": UnplaceableModelTable(lists["unplaceable"]),
-            "can_retry": reach.sees_everything(request.user),
-            "live_url": f"{page}?{query.urlencode()}" if query else page,
-            "verdicts": PlacementDecision.Verdict.choices, "kinds": PlacementDecision.Kind.choices}
+    model = PlacementDecision
+
+    def narrow(self, queryset):
+        return reach.visible_decisions(self.request.user, queryset)
+
+    def placement_context(self, query) -> dict:
+        """The placement page's live part: decisions with ``query``'s filters, the parked and
+        unplaceable lists (``query`` is the page's own query string, also when a retry answers)."""
+        decisions = filtered(PlacementDecisionFilterSet(query, queryset=self.get_queryset(), request=self.request))
+        lists = placement_service.parked_and_unplaceable(self.request.user)
+        page = reverse("scheduler:placement")
+        return {"filters": {k: query.get(k, "").strip() for k in ("model", "verdict", "kind")},
+                "decisions": decisions[:200], "parked": ParkedModelTable(lists["parked"]),
+                "unplaceable": UnplaceableModelTable(lists["unplaceable"]),
+                "can_retry": reach.sees_everything(self.request.user),
+                "live_url": f"{page}?{query.urlencode()}" if query else page,
+                "verdicts": PlacementDecision.Verdict.choices, "kinds": PlacementDecision.Kind.choices}
 
 
-class PlacementView(LoginRequiredMixin, PageView):
+class PlacementView(PlacementMixin, ConsolePage):
     """Placement decisions kept as evidence, with filters; the parked (with Retry, for staff) and
     unplaceable lists."""
 
@@ -150,37 +171,38 @@ class PlacementView(LoginRequiredMixin, PageView):
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context.update(placement_context(self.request, self.request.GET))
+        context.update(self.placement_context(self.request.GET))
         return context
 
 
-class RetryParkedView(LoginRequiredMixin, UserPassesTestMixin, View):
+class RetryParkedView(StaffOnly, PlacementMixin, ObjectAction):
     """POST: retry a parked model (staff only). HTMX gets the page's live part back, re-read with
     the filters the page shows; a plain form post is redirected to the page."""
 
-    def test_func(self):
-        return reach.sees_everything(self.request.user)
+    # htmx swaps only 2xx answers: a refusal (someone retried it first: not parked) is said in the
+    # swapped part, or on the page a plain post is sent back to.
+    page_refusals = (PermissionDenied,)
 
-    def post(self, request, model):
-        from scheduler import recovery_service
+    def get_object(self):
+        return self.kwargs["model"]
 
-        note, error = "", None
-        try:
-            recovery_service.retry(audit.Actor.from_request(request), model)
-            note = f"{model} will be placed again at the next pass."
-        except BerthError as refusal:
-            error = refusal
-        if not wants_fragment(request):
-            if error is not None:
-                messages.error(request, error.message)
-            else:
-                messages.success(request, note)
-            return redirect("scheduler:placement")
+    def perform(self, model, data):
+        recovery_service.retry(self.actor, model)
+        messages.success(self.request, self.note(model))
+        return model
+
+    @staticmethod
+    def note(model) -> str:
+        return f"{model} will be placed again at the next pass."
+
+    def success_url(self, model, result):
+        return reverse("scheduler:placement")
+
+    def fragment(self, model, result, error=None):
+        list(messages.get_messages(self.request))  # the swapped part says how it went
         # The page's own URL (filters included) stays the fragment's polling URL.
-        current = urlsplit(request.htmx.current_url_abs_path or "")
+        current = urlsplit(self.request.htmx.current_url_abs_path or "")
         query = QueryDict(current.query) if current.path == reverse("scheduler:placement") else QueryDict()
-        context = {**placement_context(request, query), "retry_note": note, "retry_error": error}
-        # htmx swaps only 2xx answers: a refusal (someone retried it first) is said in the swapped part.
-        response = render(request, "scheduler/placement_live.html", context)
-        patch_vary_headers(response, ("HX-Request",))
-        return response
+        return render(self.request, "scheduler/placement_live.html", {
+            **self.placement_context(query), "retry_note": self.note(model) if error is None else "",
+            "retry_error": error})

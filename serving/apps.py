@@ -6,3 +6,11 @@ class ServingConfig(AppConfig):
 
     name = "serving"
     verbose_name = "Serving"
+
+    def ready(self):
+        # Imported here, once the apps are loaded: the placement loop reads every app's models.
+        from scheduler import snapshot
+        from serving.control import placement
+
+        # Explain and headroom dry runs see the running system's replicas, as the reconcile loop does.
+        snapshot.register_provider(placement.snapshot)

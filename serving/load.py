@@ -113,3 +113,30 @@ def _parse(value) -> dict:
         return report
     except (ValueError, TypeError, AttributeError):
         return {"at": 0.0}
+
+
+# When each model was last asked for: the gateway reports it with its usage batches, the placement
+# policy reads it to stop on-demand models idle past their timeout.
+
+def _used_key(name: str) -> str:
+    return f"berth:ondemand:last-used:{name}"
+
+
+def note_used(last_used: dict[str, float]) -> None:
+    """Record when models were last asked for (epoch seconds); the gateway calls this in batches."""
+    if last_used:
+        cache.set_many({_used_key(name): at for name, at in last_used.items()}, None)
+
+
+def last_used(names, running, now: float | None = None) -> dict[str, float]:
+    """When each of ``names`` was last used (epoch seconds), where known. A model in ``running``
+    whose last use is not known (the gateway has not served it since a restart) starts its idle
+    clock now: not known is not idle."""
+    now = now or time.time()
+    names = sorted(set(names))
+    seen = cache.get_many([_used_key(name) for name in names])
+    found = {name: float(seen[_used_key(name)]) for name in names if _used_key(name) in seen}
+    fresh = {name: now for name in set(running) - set(found)}
+    if fresh:
+        cache.set_many({_used_key(name): at for name, at in fresh.items()}, None)
+    return {**found, **fresh}

@@ -1,75 +1,89 @@
-"""Celery tasks of the serving app: thin wrappers over ``serving.agent`` (run on a node's queue)."""
+"""Every Celery task of the serving app, each under the name ``serving.queues`` sends it by. Thin
+wrappers: the work is in the node's modules (on a node's queue, ``node.<name>``) and the control
+side's (on the control queue). Nothing imports this module but Celery (``app.autodiscover_tasks``)."""
 
 import threading
 
 from celery import shared_task
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
-from serving import agent
+from serving import queues
+from serving.catalog import fetch
+from serving.control import reconcile as control_loop, serve_model
+from serving.deployments import operations
+from serving.models import FetchJob, Replica
+from serving.node import heartbeat, lifecycle
+from serving.node.runtime import node_name
 
 _stop = threading.Event()
 
 
-@shared_task(acks_late=False)
+@shared_task(name=queues.START_REPLICA, acks_late=False)
 def start_replica(replica_id: str) -> None:
-    agent.start_replica(replica_id)
+    lifecycle.start_replica(replica_id)
 
 
-@shared_task(acks_late=False)
+@shared_task(name=queues.STOP_REPLICA, acks_late=False)
 def stop_replica(replica_id: str) -> None:
-    agent.stop_replica(replica_id)
+    lifecycle.stop_replica(replica_id)
 
 
-@shared_task(acks_late=False)
+@shared_task(name=queues.SLEEP_REPLICA, acks_late=False)
 def sleep_replica(replica_id: str) -> None:
-    agent.sleep_replica(replica_id)
+    lifecycle.sleep_replica(replica_id)
 
 
-@shared_task(acks_late=False)
+@shared_task(name=queues.WAKE_REPLICA, acks_late=False)
 def wake_replica(replica_id: str) -> None:
-    agent.wake_replica(replica_id)
+    lifecycle.wake_replica(replica_id)
 
 
-@shared_task(acks_late=False)
+@shared_task(name=queues.WATCH_REPLICA, acks_late=False)
 def watch_replica(replica_id: str) -> None:
-    from serving.models import Replica
-
     replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
     if replica is not None:
-        agent.watch_startup(replica)
-        agent.admit_next(replica.node_id)
+        lifecycle.watch_startup(replica)
+        lifecycle.admit_next(replica.node_id)
 
 
-@shared_task(name="serving.run_operation")
+@shared_task(name=queues.RUN_OPERATION)
 def run_operation(operation_id: str) -> str:
-    from serving.deployments import operations
-
     return operations.run(operation_id).state
 
 
-@shared_task(name="serving.reconcile")
-def reconcile() -> int:
-    """The control side of reconciliation: replicas on a lost node are failed and what they held is
-    given back (their agent cannot report, and cannot be asked to stop them); the placement policy's
-    plan is applied (it also unloads on-demand models idle past their timeout)."""
-    from serving.deployments import placement
-    from serving.deployments.reconcile import fail_replicas_of_lost_nodes
+@shared_task(name=queues.RUN_FETCH_JOB)
+def run_fetch_job(job_id: str) -> str:
+    job = FetchJob.objects.filter(public_id=job_id).first()
+    if job is None:
+        return "gone"
+    if job.kind == FetchJob.Kind.SERVE:
+        return serve_model.run(job).status
+    return fetch.run(job).status
 
-    failed = fail_replicas_of_lost_nodes()
-    placement.reconcile()  # Scheduler II's plan for the catalog's models, applied
-    return failed
+
+@shared_task(name=queues.RECONCILE)
+def reconcile() -> int:
+    """The control side of reconciliation (``serving.control.reconcile.run``)."""
+    return control_loop.run()
+
+
+@shared_task(name=queues.RECONCILE_SOON)
+def reconcile_soon() -> int:
+    """A pass asked for by a change of desired state (``serving.control.reconcile.run_soon``)."""
+    return control_loop.run_soon()
 
 
 @worker_init.connect
 def _adopt(**_):
-    if agent.node_name():
-        agent.start_up()
+    if node_name():
+        heartbeat.start_up()
 
 
 @worker_ready.connect
 def _start_heartbeat(**_):
-    if agent.node_name():  # only the node agents beat; the control worker does not
-        threading.Thread(target=agent.heartbeat_forever, args=(_stop,), name="berth-heartbeat", daemon=True).start()
+    if node_name():  # only the node agents beat; the control worker does not
+        threading.Thread(target=heartbeat.heartbeat_forever, args=(_stop,), name="berth-heartbeat",
+                         daemon=True).start()
 
 
 @worker_shutdown.connect

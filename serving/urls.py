@@ -1,7 +1,6 @@
 from django.urls import path
 
-from serving import views
-from serving.catalog import views as catalog_views
+from serving.views import catalog as catalog_views, deployments as views
 
 app_name = "serving"
 urlpatterns = [

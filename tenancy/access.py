@@ -18,8 +18,9 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.db.models import Q, QuerySet
 
-from tenancy.errors import Forbidden
 from berth.errors import NotFound
+from tenancy.audit import scope_of
+from tenancy.errors import Forbidden
 from tenancy.models import ROLE_RANK, Membership, Role, Scope, ServiceClient
 
 # The least role each action needs.
@@ -102,8 +103,6 @@ def role_on(caller: Any, scope: Scope) -> str | None:
 
 
 def can(caller: Any, action: str, obj: Any) -> bool:
-    from tenancy.audit import scope_of
-
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")
     if is_superuser(caller):
@@ -123,16 +122,26 @@ def require(caller: Any, action: str, obj: Any) -> None:
                         details={"action": action, "needs": ACTIONS[action]})
 
 
+def subtree(path: str, field: str = "path") -> Q:
+    """Rows whose ``field`` (a scope path) is ``path`` or anywhere below it."""
+    return Q(**{field: path}) | Q(**{f"{field}__startswith": path + "/"})
+
+
 def visible_to(caller: Any, queryset: QuerySet, scope_field: str = "scope") -> QuerySet:
     """Narrow ``queryset`` to rows whose scope (``scope_field``, a path to a Scope) lies at or below
     a scope where the caller holds any role. ``scope_field=""`` when the rows are Scopes."""
+    return visible_by_path(caller, queryset, f"{scope_field}__path" if scope_field else "path")
+
+
+def visible_by_path(caller: Any, queryset: QuerySet, field: str = "scope_path") -> QuerySet:
+    """``visible_to`` for rows that keep their scope's path (``field``) rather than a link to it, as
+    audit events and usage records do: the scope may be gone since, the path stays."""
     if is_superuser(caller):
         return queryset
     grants = roles(caller)
     if not grants:
         return queryset.none()
-    prefix = f"{scope_field}__" if scope_field else ""
     condition = Q()
     for path in grants:
-        condition |= Q(**{f"{prefix}path": path}) | Q(**{f"{prefix}path__startswith": path + "/"})
+        condition |= subtree(path, field)
     return queryset.filter(condition)

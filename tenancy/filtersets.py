@@ -8,19 +8,16 @@ exactly like naming one that does not exist.
 from __future__ import annotations
 
 import django_filters
+from django import forms
 from django.db.models import Q
 from django.utils import timezone
 
 from berth.filters import DateTimeFilter
 from tenancy import access
+from tenancy.access import subtree
 from tenancy.models import ApprovalRequest, AuditEvent, Contract, Credential, Membership, Role, Scope, ServiceClient
 from tenancy.models.tree import ROLE_RANK
 from tenancy.services.tree import resolve_scope
-
-
-def subtree(path: str, field: str = "path") -> Q:
-    """Rows at ``path`` or anywhere below it."""
-    return Q(**{field: path}) | Q(**{f"{field}__startswith": path + "/"})
 
 
 class TenancyFilterSet(django_filters.FilterSet):
@@ -155,13 +152,23 @@ class ApprovalRequestFilterSet(TenancyFilterSet):
         return queryset.filter(condition) if deciding else queryset.none()
 
 
+# The console's form shows a date-time picker; the API reads any ISO 8601 moment.
+PICKER = {"type": "datetime-local"}
+
+
 class AuditEventFilterSet(TenancyFilterSet):
-    actor = django_filters.CharFilter(method="filter_actor", label="Actor (user:name, client:…, or a username)")
-    action = django_filters.CharFilter(method="filter_action", label="Action (e.g. credential.revoke, or credential)")
-    scope = django_filters.CharFilter(method="filter_scope", label="At or below (scope)")
+    """The audit log's filters: the console's audit page and its download, and the API's list and
+    export, read the same parameters the same way."""
+
+    actor = django_filters.CharFilter(method="filter_actor", label="Actor",
+                                      help_text="user:name, client:…, or a username")
+    action = django_filters.CharFilter(method="filter_action", label="Action",
+                                       help_text="e.g. credential.revoke, or credential for every credential.…")
+    scope = django_filters.CharFilter(method="filter_scope", label="Scope",
+                                      help_text="org:…, team:…, project:…, a path or an id; it and all below it")
     object = django_filters.CharFilter(field_name="object_id", label="Object id")
-    since = DateTimeFilter(field_name="at", lookup_expr="gte")
-    until = DateTimeFilter(field_name="at", lookup_expr="lt")
+    since = DateTimeFilter(field_name="at", lookup_expr="gte", label="From", widget=forms.DateTimeInput(PICKER))
+    until = DateTimeFilter(field_name="at", lookup_expr="lt", label="Until", widget=forms.DateTimeInput(PICKER))
 
     class Meta:
         model = AuditEvent

@@ -1,11 +1,7 @@
 """The tenancy console: the tree, people, service clients and keys, contracts, approvals, audit.
 
-Views are declarations over two bases. ``ConsoleMixin`` narrows every queryset to what the caller
-may see before anything runs and looks objects up by public id through it, so an object outside
-the caller's reach is a 404; it turns a service's refusal into a 403 page. ``ObjectAction`` is a
-POST on one such object that calls one service and answers with a redirect, or with the swapped
-piece of page to an HTMX request. Services check permissions and write the audit log: views never
-write rows.
+Views are declarations over the console's bases (``tenancy.console``: ``ConsoleMixin``, ``ConsolePage``,
+``ObjectAction``). Services check permissions and write the audit log: views never write rows.
 """
 
 from __future__ import annotations
@@ -15,23 +11,20 @@ import uuid
 from datetime import timedelta
 
 from django.contrib import messages
-from django.contrib.auth.mixins import LoginRequiredMixin
 from django.core.paginator import Paginator
 from django.db.models import Count, Q
-from django.http import Http404, HttpResponse, HttpResponseRedirect, StreamingHttpResponse
+from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.cache import patch_vary_headers
-from django.utils.http import url_has_allowed_host_and_scheme
 from django.views import View
 
 from berth.errors import BerthError, InvalidInput, NotFound, PermissionDenied
-from berth.htmx import PageView, wants_fragment
 from tenancy import access
-from tenancy.audit import Actor
-from tenancy.console_filters import AuditEventFilterSet
+from tenancy.console import ConsoleMixin, ConsolePage, ObjectAction, filtered, first_error
 from tenancy.errors import ApprovalRequired, InvalidContract
+from tenancy.exports import audit_export
+from tenancy.filtersets import AuditEventFilterSet
 from tenancy.forms import (AskApprovalForm, ClientForm, ContractForm, DecideForm, KeyForm, MemberAddForm, RoleForm,
                            RotateForm, ScopeCreateForm)
 from tenancy.models import ApprovalRequest, AuditEvent, Contract, Credential, Membership, Scope, ServiceClient
@@ -46,123 +39,12 @@ from tenancy.tables import (AuditTable, ClientTable, ContractChainTable, Credent
 CHILD_KIND = {Scope.Kind.ORG: Scope.Kind.TEAM, Scope.Kind.TEAM: Scope.Kind.PROJECT}
 
 
-# Bases ---------------------------------------------------------------------------------------------
-
-class ConsoleMixin(LoginRequiredMixin):
-    """A console view over one model, narrowed to the caller: lists read ``get_queryset()``, object
-    views ``get_object()`` (by ``public_id`` through the narrowed queryset: outside reach is 404)."""
-
-    model: type | None = None
-    queryset = None
-    scope_field = "scope"  # how to reach a row's Scope, for ``access.visible_to``
-
-    @property
-    def actor(self) -> Actor:
-        return Actor.from_request(self.request)
-
-    def get_queryset(self):
-        queryset = self.queryset if self.queryset is not None else self.model.objects.all()
-        return access.visible_to(self.request.user, queryset.all(), self.scope_field)
-
-    def get_object(self):
-        if getattr(self, "_object", None) is None:
-            self._object = get_object_or_404(self.get_queryset(), public_id=self.kwargs["public_id"])
-        return self._object
-
-    def may(self, action: str, obj) -> bool:
-        return access.can(self.request.user, action, obj)
-
-    def dispatch(self, request, *args, **kwargs):
-        try:
-            return super().dispatch(request, *args, **kwargs)
-        except NotFound as error:
-            raise Http404(error.message) from None
-        except PermissionDenied as error:
-            return render(request, "tenancy/refused.html", {"error": error}, status=403)
-
-
-class ConsolePage(ConsoleMixin, PageView):
-    pass
-
-
-class ObjectAction(ConsoleMixin, View):
-    """A POST on one visible object: validate the form, call the service, then redirect (or, to an
-    HTMX request, answer with the swapped piece). A refusal other than 404/403 is shown where the
-    person pressed the button."""
-
-    http_method_names = ["post"]
-    form_class = None
-
-    def post(self, request, *args, **kwargs):
-        obj = self.get_object()
-        form = self.form_class(request.POST) if self.form_class else None
-        try:
-            if form is not None and not form.is_valid():
-                raise InvalidInput(_first_error(form), details=form.errors.get_json_data())
-            result = self.perform(obj, form.cleaned_data if form is not None else {})
-        except (NotFound, PermissionDenied):
-            raise
-        except BerthError as error:
-            return self.failed(obj, error)
-        return self.done(obj, result)
-
-    def perform(self, obj, data):
-        raise NotImplementedError
-
-    def success_url(self, obj, result) -> str:
-        raise NotImplementedError
-
-    def fragment(self, obj, result, error=None) -> HttpResponse | None:
-        """The swapped piece for HTMX requests; None to redirect them too."""
-        return None
-
-    def done(self, obj, result):
-        if wants_fragment(self.request):
-            response = self.fragment(obj, result)
-            if response is not None:
-                patch_vary_headers(response, ("HX-Request",))
-                return response
-        return HttpResponseRedirect(_next(self.request) or self.success_url(obj, result))
-
-    def failed(self, obj, error: BerthError):
-        if wants_fragment(self.request):
-            response = self.fragment(obj, None, error=error)
-            if response is not None:
-                return response
-        messages.error(self.request, error.message)
-        return HttpResponseRedirect(_next(self.request) or self.success_url(obj, None))
-
-
-def _first_error(form) -> str:
-    for field, errors in form.errors.items():
-        label = form.fields[field].label or field.replace("_", " ") if field in form.fields else ""
-        return f"{label}: {errors[0]}".capitalize() if label else errors[0]
-    return "The form is invalid."
-
-
-def _next(request) -> str | None:
-    target = request.POST.get("next") or request.GET.get("next")
-    if target and url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()}):
-        return target
-    return None
-
-
 def scope_url(scope) -> str:
     return reverse("tenancy:scope", args=[scope.public_id])
 
 
 def client_url(client) -> str:
     return reverse("tenancy:client", args=[client.public_id])
-
-
-def visible_events(caller, queryset):
-    """Audit events at or below a scope where the caller holds a role (superusers: all)."""
-    if access.is_superuser(caller):
-        return queryset
-    condition = Q()
-    for path in access.roles(caller):
-        condition |= Q(scope_path=path) | Q(scope_path__startswith=path + "/")
-    return queryset.filter(condition) if condition else queryset.none()
 
 
 def with_tree_figures(scopes) -> list[Scope]:
@@ -206,7 +88,7 @@ class ScopeView(ConsolePage):
         children = self.get_queryset().filter(parent=scope)
         memberships = Membership.objects.filter(scope=scope).select_related("user", "scope")
         clients = (access.visible_to(user, ServiceClient.objects.all(), "project")
-                   .filter(Q(project__path=scope.path) | Q(project__path__startswith=scope.path + "/"))
+                   .filter(access.subtree(scope.path, "project__path"))
                    .select_related("project").annotate(working_keys=_working_keys()))
         chain = contract_service.visible_chain(user, scope)
         context.update(
@@ -442,7 +324,7 @@ class KeyCreateView(ConsoleMixin, View):
         extra, status = {}, 201
         try:
             if not form.is_valid():
-                raise InvalidInput(_first_error(form))
+                raise InvalidInput(first_error(form))
             credential, plaintext = client_service.create_credential(
                 self.actor, client, name=form.cleaned_data["name"], lifetime=form.lifetime,
                 approval=form.cleaned_data.get("approval") or None)
@@ -496,7 +378,7 @@ class KeyRotateView(ConsoleMixin, View):
         extra, status = {}, 201
         try:
             if not form.is_valid():
-                raise InvalidInput(_first_error(form))
+                raise InvalidInput(first_error(form))
             new, plaintext = client_service.rotate_credential(
                 self.actor, credential, overlap=timedelta(hours=form.cleaned_data["overlap_hours"]))
             credential.refresh_from_db()
@@ -592,7 +474,7 @@ class AskApprovalView(ConsoleMixin, View):
         form = AskApprovalForm(request.POST)
         if not form.is_valid():
             return render(request, "tenancy/refused.html",
-                          {"error": InvalidInput(_first_error(form)), "title": "Cannot ask"}, status=400)
+                          {"error": InvalidInput(first_error(form)), "title": "Cannot ask"}, status=400)
         data = form.cleaned_data
         if data["action"] not in APPROVAL_SUBJECTS:
             raise Http404("No such approval policy.")
@@ -695,35 +577,40 @@ class DecideView(ObjectAction):
 
 # Audit ---------------------------------------------------------------------------------------------
 
-class AuditView(ConsolePage):
+class AuditMixin:
+    """Events keep their scope's path (the scope may be gone since): narrowed by that path, filtered
+    by the FilterSet the API's audit endpoints use."""
+
     model = AuditEvent
+
+    def narrow(self, queryset):
+        return access.visible_by_path(self.request.user, queryset, "scope_path")
+
+    def filterset(self):
+        return AuditEventFilterSet(self.request.GET, queryset=self.get_queryset(), request=self.request)
+
+
+class AuditView(AuditMixin, ConsolePage):
     template_name = "tenancy/audit.html"
     fragment_template_name = "tenancy/audit_table.html"
     page_size = 100
 
-    def get_queryset(self):
-        return visible_events(self.request.user, AuditEvent.objects.all())
-
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        filterset = AuditEventFilterSet(self.request.GET, queryset=self.get_queryset())
-        page = Paginator(filterset.qs, self.page_size).get_page(self.request.GET.get("page"))
+        filterset = self.filterset()
+        page = Paginator(filtered(filterset), self.page_size).get_page(self.request.GET.get("page"))
         query = self.request.GET.copy()
         query.pop("page", None)
         context.update(filterset=filterset, page=page, table=AuditTable(page.object_list), query=query.urlencode())
         return context
 
 
-class AuditExportView(ConsoleMixin, View):
-    """The filtered log as JSON lines, one event a line, oldest first."""
+class AuditExportView(AuditMixin, ConsoleMixin, View):
+    """The filtered log as JSON lines, in the API export's schema. A filter it cannot read is refused
+    as the API refuses it (a scope outside reach: 404, as one that does not exist)."""
 
     def get(self, request):
-        events = visible_events(request.user, AuditEvent.objects.all())
-        filterset = AuditEventFilterSet(request.GET, queryset=events)
-        rows = filterset.qs.order_by("at", "id").values(
-            "public_id", "at", "actor", "action", "object_type", "object_id", "object_repr", "scope_path", "details",
-            "address")
-        lines = (json.dumps(row, default=str, sort_keys=True) + "\n" for row in rows.iterator())
-        response = StreamingHttpResponse(lines, content_type="application/x-ndjson")
-        response["Content-Disposition"] = f'attachment; filename="berth-audit-{timezone.now():%Y%m%d-%H%M%S}.jsonl"'
-        return response
+        filterset = self.filterset()
+        if not filterset.is_valid():
+            raise InvalidInput(first_error(filterset.form), details=filterset.form.errors.get_json_data())
+        return audit_export(filterset.qs)

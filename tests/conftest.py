@@ -24,7 +24,9 @@ EMBEDDED = (
     "gateway/test_inference.py", "gateway/test_console_playground.py",
     "serving/test_catalog_entries.py", "serving/test_catalog_room.py", "serving/test_catalog_room_portable.py",
     "serving/test_catalog_servability.py", "serving/test_mirror_pages.py", "scheduler/test_hardening.py",
-    "test_console.py", "test_console_walk.py", "test_persona_walk.py",
+    "serving/test_quarantine_and_states.py", "serving/test_reconcile_soon.py", "scheduler/test_decision_filters.py",
+    "tenancy/test_audit_filters.py", "tenancy/test_console_bases.py",
+    "test_console.py", "test_console_walk.py", "test_persona_walk.py", "test_query_counts.py",
 )
 
 
@@ -99,6 +101,17 @@ def smollm2_server(llama_server_binary, smollm2_model, artifacts_dir):
     server = _start(llama_server_binary, smollm2_model, artifacts_dir, context=2048, api_key="test-engine-key")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def argon2_hashing(settings):
+    """Berth's own password hashers (Argon2 first), for the tests that are about them: tests/settings.py
+    puts a cheap hasher first for everyone else. Taken from berth.settings, not written again here, so
+    these tests still check what production hashes with."""
+    from berth import settings as berth_settings
+
+    settings.PASSWORD_HASHERS = list(berth_settings.PASSWORD_HASHERS)
+    return settings
 
 
 @pytest.fixture

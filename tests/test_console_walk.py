@@ -151,7 +151,7 @@ def world_state(world) -> list:
     """Everything a console form could change, as plain rows."""
     from gateway.models import ModelSplit
     from scheduler.models import Node, RecoveryState
-    from serving.catalog.models import FetchJob, ModelEntry
+    from serving.models import FetchJob, ModelEntry
     from serving.models import Deployment, Operation
     from tenancy.models import ApprovalRequest, AuditEvent, Contract, Credential, Membership, Scope, ServiceClient
 
@@ -185,7 +185,7 @@ def open_stream(user, world):
     from django.http import Http404
     from django.test import RequestFactory
 
-    from serving.views import deployment_stream
+    from serving.views.deployments import deployment_stream
 
     request = RequestFactory().get(f"/models/deployments/{world.deployment.public_id}/stream/")
 

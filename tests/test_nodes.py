@@ -68,7 +68,7 @@ def test_bootstrap_creates_one_administrator_and_shows_the_password_once(capsys,
     assert Node.objects.count() == 1
 
 
-def test_admin_password_is_stored_with_argon2(capsys):
+def test_admin_password_is_stored_with_argon2(capsys, argon2_hashing):
     call_command("bootstrap")
     from django.contrib.auth import get_user_model
 

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
 
+# The floors first (seconds): no module imports one on a floor above it (pyproject.toml [tool.importlinter]).
+.venv/bin/lint-imports
+
 services_env=$(deploy/scripts/ensure-services.sh)  # a failure here stops the run (set -e)
 while IFS='=' read -r key value; do export "$key=$value"; done <<<"$services_env"
 

@@ -1,32 +1,34 @@
-"""The gateway's management API: usage records, narrowed to the caller's scopes before any filter."""
+"""The gateway's management API: usage records and model splits, narrowed to the caller's scopes by
+the management API's base viewset (``tenancy.api.base``) before any filter."""
 
-from django_filters.rest_framework import DjangoFilterBackend
-from rest_framework import mixins, status, viewsets
+from django.http import Http404
+from rest_framework import mixins, status
 from rest_framework.response import Response
 
+from berth.errors import NotFound
 from gateway import services
 from gateway.api.serializers import ModelSplitSerializer, UsageRecordSerializer
 from gateway.filtersets import UsageRecordFilterSet
+from gateway.models import ModelSplit, UsageRecord
+from tenancy import access
+from tenancy.api.base import TenancyViewSet
+from tenancy.models import Scope
 
 
-class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenancyViewSet):
     """Usage: one record per request through /v1/ (no content). Look one up by its request id."""
 
+    queryset = UsageRecord.objects.select_related("client")
     serializer_class = UsageRecordSerializer
-    filter_backends = [DjangoFilterBackend]
     filterset_class = UsageRecordFilterSet
     lookup_field = "request_id"
     lookup_value_regex = "[A-Za-z0-9._:-]+"
 
-    def get_queryset(self):
-        if getattr(self, "swagger_fake_view", False):
-            return services.UsageRecord.objects.none()
-        return services.visible_usage(self.request.user).select_related("client")
+    def narrow(self, queryset):
+        return services.visible_usage(self.request.user, queryset)
 
     def get_object(self):
         # Client-chosen request ids may repeat: the latest record wins; none visible is a 404.
-        from django.http import Http404
-
         record = self.filter_queryset(self.get_queryset()).filter(
             request_id=self.kwargs["request_id"]).order_by("-started_at").first()
         if record is None:
@@ -34,27 +36,19 @@ class UsageRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
         return record
 
 
-class ModelSplitViewSet(viewsets.ModelViewSet):
+class ModelSplitViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                        mixins.UpdateModelMixin, mixins.DestroyModelMixin, TenancyViewSet):
     """Model splits: requests for ``model_name`` served by its variants by weight, sticky per client,
     optionally only for some client environments. Staff manage fleet-wide splits (``scope`` null); a
     scope's admins manage the splits of their scope, which apply to its clients and below."""
 
+    queryset = ModelSplit.objects.select_related("scope")
     serializer_class = ModelSplitSerializer
-    lookup_field = "public_id"
-    lookup_value_converter = "uuid"
 
-    def get_queryset(self):
-        if getattr(self, "swagger_fake_view", False):
-            from gateway.models import ModelSplit
-
-            return ModelSplit.objects.none()
-        return services.visible_splits(self.request.user)
+    def narrow(self, queryset):
+        return services.visible_splits(self.request.user, queryset)
 
     def _scope(self, path):
-        from berth.errors import NotFound
-        from tenancy import access
-        from tenancy.models import Scope
-
         if not path:
             return None
         scope = Scope.objects.filter(path=path.strip("/")).first()
@@ -64,9 +58,7 @@ class ModelSplitViewSet(viewsets.ModelViewSet):
         return scope
 
     def _save(self, split, partial: bool):
-        serializer = self.get_serializer(split, data=self.request.data, partial=partial)
-        serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
+        data = self.parsed(ModelSplitSerializer, partial=partial)
         current = {"model_name": split.model_name, "scope": split.scope.path if split and split.scope_id else None,
                    "variants": split.variants, "environments": split.environments, "enabled": split.enabled,
                    "note": split.note} if split is not None else {}

@@ -3,8 +3,15 @@ from rest_framework import serializers
 from scheduler import reach
 from scheduler.memory import ENGINES
 from scheduler.models import (
-    Accelerator, CalibrationRecord, HeldWeight, ModelDirectory, Node, NodeEngine, PlacementDecision,
+    Accelerator,
+    CalibrationRecord,
+    HeldWeight,
+    ModelDirectory,
+    Node,
+    NodeEngine,
+    PlacementDecision,
 )
+from scheduler.policy.inputs import GIB, DesiredModel, Profile, Scaling
 
 
 class NodeEngineSerializer(serializers.ModelSerializer):
@@ -141,8 +148,6 @@ class PolicyModelSerializer(serializers.Serializer):
     def desired(self, owner: str = ""):
         """The policy's model; ``owner`` is the owner scope's path, resolved by the caller
         (``scheduler.reach.resolve_owner``), never the text as written."""
-        from scheduler.policy.inputs import GIB, DesiredModel, Profile, Scaling
-
         data = self.validated_data
         profiles = tuple(Profile(name=p["name"], engine=p["engine"], gpus=p["gpus"],
                                  memory_bytes=int(p["memory_gib"] * GIB), cpu_cores=p["cpu_cores"],

@@ -1,23 +1,35 @@
-from drf_spectacular.utils import OpenApiResponse, extend_schema
 from django.db.models import Prefetch
 from django.shortcuts import get_object_or_404
-from django_filters.rest_framework import DjangoFilterBackend
-from rest_framework import mixins, permissions, status, viewsets
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import mixins, permissions, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from scheduler import memory, reach, services
+from scheduler import memory, placement_service, reach, recovery_service, services
 from scheduler.api.serializers import (
-    AcceleratorSerializer, CalibrationRecordSerializer, EstimateRequestSerializer, NodeActionSerializer,
-    NodeSerializer, ParkedAndUnplaceableSerializer, ParkedModelSerializer, PlacementDecisionSerializer,
+    AcceleratorSerializer,
+    CalibrationRecordSerializer,
+    EstimateRequestSerializer,
+    NodeActionSerializer,
+    NodeSerializer,
+    ParkedAndUnplaceableSerializer,
+    ParkedModelSerializer,
+    PlacementDecisionSerializer,
     PolicyModelSerializer,
 )
 from scheduler.errors import FleetFilesForStaff
-from scheduler.filtersets import AcceleratorFilterSet, CalibrationRecordFilterSet, NodeFilterSet
-from scheduler.models import Accelerator, CalibrationRecord, ModelDirectory, Node
+from scheduler.filtersets import (
+    AcceleratorFilterSet,
+    CalibrationRecordFilterSet,
+    NodeFilterSet,
+    PlacementDecisionFilterSet,
+)
+from scheduler.models import Accelerator, CalibrationRecord, ModelDirectory, Node, PlacementDecision
 from scheduler.presenting import estimate_payload
+from scheduler.snapshot import current_snapshot
 from tenancy import audit
+from tenancy.api.base import TenancyViewSet
 
 
 class IsStaff(permissions.BasePermission):
@@ -34,7 +46,14 @@ def _accelerators():
     return Accelerator.objects.select_related("node", "parent").prefetch_related("reservations")
 
 
-class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+class FleetViewSet(TenancyViewSet):
+    """The fleet's capacity is everyone's to read (``scheduler.reach``): its rows are not narrowed."""
+
+    def narrow(self, queryset):
+        return queryset
+
+
+class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FleetViewSet):
     """The fleet's nodes, looked up by their public id; cordon, uncordon and drain are actions.
     ``model_directories`` (paths and files) are shown to staff only."""
 
@@ -42,17 +61,13 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         "engines", Prefetch("accelerators", queryset=_accelerators()),
         Prefetch("model_directories", queryset=ModelDirectory.objects.prefetch_related("weights")))
     serializer_class = NodeSerializer
-    lookup_field = "public_id"
-    lookup_value_converter = "uuid"
-    filter_backends = [DjangoFilterBackend]
     filterset_class = NodeFilterSet
 
     def _act(self, request, verb):
         node = self.get_object()
-        body = NodeActionSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        node = getattr(services, verb)(node, audit.Actor.from_request(request), reason=body.validated_data["reason"])
-        return Response(self.get_serializer(self.get_queryset().get(pk=node.pk)).data)
+        reason = self.parsed(NodeActionSerializer)["reason"]
+        node = getattr(services, verb)(node, self.actor, reason=reason)
+        return self.render(self.get_queryset().get(pk=node.pk))
 
     @action(detail=True, methods=["post"], permission_classes=[IsStaff])
     def cordon(self, request, public_id=None):
@@ -67,14 +82,11 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         return self._act(request, "drain")
 
 
-class AcceleratorViewSet(viewsets.ReadOnlyModelViewSet):
+class AcceleratorViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FleetViewSet):
     """GPUs and MIG instances with class, memory, reservations, telemetry and placeability."""
 
     queryset = _accelerators()
     serializer_class = AcceleratorSerializer
-    lookup_field = "public_id"
-    lookup_value_converter = "uuid"
-    filter_backends = [DjangoFilterBackend]
     filterset_class = AcceleratorFilterSet
 
 
@@ -102,7 +114,7 @@ class EstimateView(APIView):
 
 
 class CalibrationRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin,
-                               viewsets.GenericViewSet):
+                               FleetViewSet):
     """What loads really used against their estimates. Deleting a record (or ``reset`` with the
     list's filters) makes later estimates go back to the formulas. For staff only, reads too: a
     record names the model and file it measured and why a load failed, whoever's model it was."""
@@ -110,42 +122,33 @@ class CalibrationRecordViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
     permission_classes = [IsStaff]
     queryset = CalibrationRecord.objects.all()
     serializer_class = CalibrationRecordSerializer
-    lookup_field = "public_id"
-    lookup_value_converter = "uuid"
-    filter_backends = [DjangoFilterBackend]
     filterset_class = CalibrationRecordFilterSet
 
     def destroy(self, request, *args, **kwargs):
         record = self.get_object()
-        memory.reset_calibration(CalibrationRecord.objects.filter(pk=record.pk), audit.Actor.from_request(request))
+        memory.reset_calibration(CalibrationRecord.objects.filter(pk=record.pk), self.actor)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @action(detail=False, methods=["post"])
     def reset(self, request):
         records = self.filter_queryset(self.get_queryset())
-        count = memory.reset_calibration(records, audit.Actor.from_request(request))
+        count = memory.reset_calibration(records, self.actor)
         return Response({"deleted": count})
 
 
 # --- placement policy: decisions, explain, headroom ------------------------------------------------
 
-class PlacementDecisionViewSet(viewsets.ReadOnlyModelViewSet):
-    """Placement decisions kept as evidence; filter with ?model=, ?verdict=, ?kind=. Staff see every
-    decision; others those about models of scopes they see (``scheduler.reach``)."""
+class PlacementDecisionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenancyViewSet):
+    """Placement decisions kept as evidence; filter with ?model=, ?verdict=, ?kind= (as the console's
+    placement page does). Staff see every decision; others those about models of scopes they see
+    (``scheduler.reach``)."""
 
+    queryset = PlacementDecision.objects.all()
     serializer_class = PlacementDecisionSerializer
-    lookup_field = "public_id"
-    lookup_value_converter = "uuid"
+    filterset_class = PlacementDecisionFilterSet
 
-    def get_queryset(self):
-        from scheduler.models import PlacementDecision
-
-        rows = reach.visible_decisions(self.request.user, PlacementDecision.objects.all())
-        for field in ("model", "verdict", "kind"):
-            value = self.request.query_params.get(field)
-            if value:
-                rows = rows.filter(**{field: value})
-        return rows
+    def narrow(self, queryset):
+        return reach.visible_decisions(self.request.user, queryset)
 
 
 class _DryRunView(APIView):
@@ -164,9 +167,6 @@ class ExplainPlacementView(_DryRunView):
 
     @extend_schema(request=PolicyModelSerializer, responses={200: dict})
     def post(self, request):
-        from scheduler import placement_service
-        from scheduler.snapshot import current_snapshot
-
         _, model = self._model(request)
         answer = placement_service.explain_placement(current_snapshot((model,)), model.id)
         return Response(answer)
@@ -177,9 +177,6 @@ class HeadroomView(_DryRunView):
 
     @extend_schema(request=PolicyModelSerializer, responses={200: dict})
     def post(self, request):
-        from scheduler import placement_service
-        from scheduler.snapshot import current_snapshot
-
         body, model = self._model(request)
         return Response(placement_service.headroom(current_snapshot((model,)), model.id,
                                                    limit=body.validated_data["limit"]))
@@ -192,8 +189,6 @@ class ParkedUnplaceableView(APIView):
 
     @extend_schema(responses={200: ParkedAndUnplaceableSerializer})
     def get(self, request):
-        from scheduler import placement_service
-
         return Response(ParkedAndUnplaceableSerializer(placement_service.parked_and_unplaceable(request.user)).data)
 
 
@@ -207,7 +202,5 @@ class RetryParkedView(APIView):
     @extend_schema(request=None, responses={200: ParkedModelSerializer,
                                             404: OpenApiResponse(description="model_not_parked")})
     def post(self, request, model):
-        from scheduler import recovery_service
-
         row = recovery_service.retry(audit.Actor.from_request(request), model)
         return Response(ParkedModelSerializer(recovery_service.describe(row)).data)

@@ -179,7 +179,7 @@ class FailureState:
     kind: str = ""  # crash / oom / hang; "" none
     consecutive: int = 0
     last_failure_at: float | None = None
-    level: int = 0  # 0 full, 1 degraded, 2 fallback
+    level: int = 0  # 0 full, 1 degraded, 2 minimal (the last rung before parking)
     parked: bool = False
     parked_fingerprint: str = ""
     last_error: str = ""
@@ -234,7 +234,7 @@ class Launch:
     accelerators: tuple[str, ...]
     memory_bytes: int  # per accelerator (GPU) or RAM (CPU): what to reserve
     cpu_cores: int = 0
-    level: int = 0  # 0 full, 1 degraded (shorter context, fewer GPU layers)
+    level: int = 0  # 0 full, 1 degraded (shorter context, fewer GPU layers), 2 minimal
     serves_for: str = ""  # a fallback launched in place of this model
     draft: str = ""
     reason: str = ""  # minimum / pinned / on-demand / load / desired

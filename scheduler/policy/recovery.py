@@ -3,8 +3,14 @@
 A graded ladder that never retries unchanged what cannot succeed: a crash is retried with
 exponential backoff a bounded number of times; out of memory relaunches degraded, then falls back
 to a configured smaller model, then quarantines; a hang gets one retry, then degrades, then falls
-back. Severity never decreases as failures grow, and after ``park_after`` consecutive failures the
+back. A model with no fallback takes the last rung instead: one launch at the minimal footprint
+(the smallest context, one slot, on the CPU where its engine can run there) before it is parked.
+Severity never decreases as failures grow, and after ``park_after`` consecutive failures the
 model is parked until its definition changes or an operator retries it.
+
+Launch levels (``Step.level``, what Serving deploys, and the level kept in the failure memory):
+0 the profile as configured, 1 degraded (``DEGRADE``, and a fallback's launch), 2 the minimal
+footprint (``MINIMAL``). A later retry keeps the level reached.
 """
 
 from __future__ import annotations
@@ -14,14 +20,17 @@ from collections.abc import Container, Iterable
 
 from scheduler.policy.inputs import DesiredModel, FailureState, Settings
 
-RETRY, DEGRADE, FALLBACK, QUARANTINE = "retry", "degrade", "fallback", "quarantine"
-SEVERITY = {RETRY: 0, DEGRADE: 1, FALLBACK: 2, QUARANTINE: 3}
+RETRY, DEGRADE, FALLBACK, MINIMAL, QUARANTINE = "retry", "degrade", "fallback", "minimal", "quarantine"
+# The minimal footprint is the fallback's rung for a model without one: as severe, never both.
+SEVERITY = {RETRY: 0, DEGRADE: 1, FALLBACK: 2, MINIMAL: 2, QUARANTINE: 3}
+FULL, DEGRADED, MINIMAL_FOOTPRINT = 0, 1, 2  # launch levels
+LEVEL = {RETRY: FULL, DEGRADE: DEGRADED, FALLBACK: DEGRADED, MINIMAL: MINIMAL_FOOTPRINT}
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    action: str  # retry / degrade / fallback / quarantine; "" nothing to recover from
-    level: int = 0  # launch level: 0 full, 1 degraded
+    action: str  # retry / degrade / fallback / minimal / quarantine; "" nothing to recover from
+    level: int = 0  # launch level: 0 full, 1 degraded, 2 minimal footprint
     fallback: bool = False
     not_before: float | None = None  # backoff: no launch before this time
     parked: bool = False
@@ -30,7 +39,9 @@ class Step:
 
 def ladder(kind: str, consecutive: int, settings: Settings = Settings(), *, fallback: bool = True) -> str:
     """The step after ``consecutive`` failures of ``kind``; with no ``fallback`` to fall back to, the
-    fallback step is a quarantine (the degraded launch has already failed: never retry it unchanged)."""
+    fallback step is the minimal footprint, tried once (the degraded launch has already failed: never
+    retry it unchanged), and the step after it a quarantine. A crash has no degraded rung: it is
+    retried, then quarantined."""
     if consecutive <= 0 or not kind:
         return ""
     if kind == "oom":
@@ -39,7 +50,7 @@ def ladder(kind: str, consecutive: int, settings: Settings = Settings(), *, fall
         action = (RETRY, DEGRADE, FALLBACK)[consecutive - 1] if consecutive <= 3 else QUARANTINE
     else:
         action = RETRY if consecutive <= settings.crash_retries else QUARANTINE
-    return QUARANTINE if action == FALLBACK and not fallback else action
+    return MINIMAL if action == FALLBACK and not fallback else action
 
 
 def usable_fallbacks(name: str, fallbacks: Iterable[str], known: Container[str] | None = None) -> tuple[str, ...]:
@@ -73,21 +84,35 @@ def next_step(model: DesiredModel, failure: FailureState | None, settings: Setti
     not_before = None
     if failure.last_failure_at is not None:
         not_before = failure.last_failure_at + backoff(failure.consecutive, settings)
-    level = max(failure.level, 1 if action in (DEGRADE, FALLBACK) else 0)
-    return Step(action, level=level, fallback=action == FALLBACK, not_before=not_before)
+    if action == FALLBACK:  # another model: its own degraded launch, whatever level this one reached
+        return Step(FALLBACK, level=DEGRADED, fallback=True, not_before=not_before,
+                    reason=f"falling back after {failure.consecutive} {failure.kind} failure(s)")
+    level = min(MINIMAL_FOOTPRINT, max(failure.level, LEVEL.get(action, FULL)))
+    reason = ""
+    if action == MINIMAL:
+        reason = (f"minimal footprint after {failure.consecutive} {failure.kind} failure(s), the degraded relaunch "
+                  f"among them, and no fallback: tried once before parking"
+                  + (f" (last: {failure.last_error})" if failure.last_error else ""))
+    elif action == DEGRADE:
+        reason = f"degraded relaunch after {failure.consecutive} {failure.kind} failure(s)"
+    return Step(action, level=level, not_before=not_before, reason=reason)
 
 
 def record_failure(state: FailureState | None, kind: str, at: float, error: str = "",
                    settings: Settings = Settings(), fingerprint: str = "", *, fallback: bool = True) -> FailureState:
     """The failure memory after one more failed launch (Serving stores it). ``fallback``: whether
-    the model has a fallback that exists; without one, the step that would use it parks the model
-    here, so the stored memory says parked exactly when the policy treats it so."""
+    the model has a fallback that exists; without one, the step that would use it is the minimal
+    footprint and the failure after that parks the model here, so the stored memory says parked
+    exactly when the policy treats it so. ``level`` is the launch level the next step runs at."""
     state = state or FailureState()
     consecutive = state.consecutive + 1
     action = ladder(kind, consecutive, settings, fallback=fallback)
-    level = max(state.level, SEVERITY.get(action, 0) if action in (DEGRADE, FALLBACK) else state.level)
+    if state.consecutive > 0 and state.level >= MINIMAL_FOOTPRINT:
+        action = QUARANTINE  # the launch that failed was the minimal footprint, whatever the kind: the last rung
+    level = max(state.level, LEVEL.get(action, FULL))
     parked = consecutive >= settings.park_after or action == QUARANTINE
-    return FailureState(kind=kind, consecutive=consecutive, last_failure_at=at, level=min(level, 2), parked=parked,
+    return FailureState(kind=kind, consecutive=consecutive, last_failure_at=at,
+                        level=min(level, MINIMAL_FOOTPRINT), parked=parked,
                         parked_fingerprint=fingerprint if parked else "", last_error=error[:500])
 
 

@@ -19,7 +19,7 @@ import random
 from typing import Sequence
 
 from scheduler.policy.inputs import DesiredModel, Profile, ReplicaInfo
-from scheduler.policy.placement import Fleet, Placer, Spot, draft_bytes
+from scheduler.policy.placement import Fleet, Placer, Spot
 from scheduler.policy.quotas import Quotas, need_of
 
 DEFAULT_LOAD_S = 60.0

@@ -66,6 +66,8 @@ class SwitchInputSerializer(serializers.Serializer):
     engine = serializers.ChoiceField(choices=Deployment.Engine.choices, required=False)
     runtime = serializers.ChoiceField(choices=Deployment.Runtime.choices, required=False)
     config = serializers.DictField(required=False, default=dict)
+    accelerator = serializers.CharField(required=False, max_length=100, help_text=(
+        "Accelerator UUID on B's node (default: A's accelerators on A's node, none on another node)."))
 
 
 class ReconfigureInputSerializer(serializers.Serializer):

@@ -1,8 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from serving.api import views
-from serving.catalog import api as catalog_api
+from serving.api import catalog as catalog_api, deployments as views
 
 app_name = "serving-api"
 router = SimpleRouter()

@@ -13,12 +13,18 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 
 from berth.errors import InvalidInput
-from serving import routing
+from scheduler.estimation.reading import read_model
+from scheduler.models import ModelDirectory
+from serving import events, queues
 from serving.catalog import profiles, validation
 from serving.catalog.errors import FileInUse, ImportFailed, NotServable
-from serving.catalog.models import FetchJob, ModelEntry, ModelFile
+from serving.catalog.hub import quantisation_of
+from serving.catalog.paths import local_path, quarantine_root
+from serving.models import Deployment, FetchJob, ModelEntry, ModelFile
+from serving.models.states import SERVING
 from tenancy import access, audit
 from tenancy.audit import Actor
 
@@ -64,7 +70,8 @@ def save_entry(actor: Actor, fields: dict[str, Any], owner=None, *, entry: Model
         entry.save()
         audit.record(actor, "catalog.model.save", entry, scope=entry.owner,
                      details={"name": entry.name, "fingerprint": entry.fingerprint, "previous": before})
-        transaction.on_commit(routing.publish_changed)
+        transaction.on_commit(events.routing_changed)
+        queues.reconcile_soon()  # its placement, pin, minimum or fallbacks may have changed
     return entry
 
 
@@ -76,8 +83,6 @@ def default_profiles(fmt: str, file: str, context: int = profiles.DEFAULT_CONTEX
 
 
 def _architecture(path: Path) -> str:
-    from scheduler.estimation.reading import read_model
-
     try:
         return read_model(path).architecture
     except Exception:  # an unreadable header is reported by servability, not here
@@ -86,8 +91,6 @@ def _architecture(path: Path) -> str:
 
 def register_fetched(job: FetchJob) -> ModelEntry:
     """The catalog entry for a finished fetch (the same entry again when it already exists)."""
-    from serving.catalog.fetch import local_path
-
     fmt = job.options.get("format") or "gguf"
     first = job.files[0]["path"]
     file = str(local_path(job.repo, job.commit, first))
@@ -142,8 +145,6 @@ def _import_files(actor: Actor, files: list[Path], base: Path, destination: Path
     if fmt == "safetensors" and not any(p.suffix == ".safetensors" for _, p in recorded):
         raise ImportFailed("Nothing to import: no .gguf or .safetensors file there.", details={"path": str(base)})
     served = ggufs[0] if ggufs else recorded[0][1].parent
-    from serving.catalog.hub import quantisation_of
-
     fields = {"format": fmt, "profiles": default_profiles(fmt, str(served)),
               "architecture": _architecture(served) if fmt == "gguf" else "",
               "quantisation": quantisation_of(ggufs[0].stem) if ggufs else "", **fields}
@@ -214,11 +215,7 @@ def served_path(entry: ModelEntry, profile: str | None = None) -> Path:
 
 
 def _active_users(paths: list[str]):
-    from serving.deployments import states
-    from serving.models import Deployment
-
-    active = states.ACTIVE + ("planned", "starting", "loading")
-    return Deployment.objects.filter(model_path__in=paths, replica_set__state__in=active).distinct()
+    return Deployment.objects.filter(model_path__in=paths, replica_set__state__in=SERVING).distinct()
 
 
 def remove_files(actor: Actor, entry: ModelEntry) -> int:
@@ -244,8 +241,6 @@ def remove_files(actor: Actor, entry: ModelEntry) -> int:
 def files_of_running_jobs() -> set[str]:
     """Every path a queued or running fetch writes (its files, their partial downloads and where a
     mismatch is quarantined): those rows have no model until the fetch ends."""
-    from serving.catalog.fetch import local_path, quarantine_root
-
     paths = set()
     running = FetchJob.objects.filter(status__in=(FetchJob.Status.QUEUED, FetchJob.Status.RUNNING))
     for job in running.only("repo", "commit", "files"):
@@ -286,8 +281,6 @@ def _require(actor: Actor, owner) -> None:
 
 def visible_entries(caller):
     """Shared entries and those of scopes the caller may see."""
-    from django.db.models import Q
-
     queryset = ModelEntry.objects.select_related("owner")
     if access.is_superuser(caller):
         return queryset
@@ -297,8 +290,6 @@ def visible_entries(caller):
 
 def nodes_holding(paths: list[str]) -> dict[str, list[str]]:
     """{file path: names of the nodes whose model directories hold it}, as the nodes last reported."""
-    from scheduler.models import ModelDirectory
-
     wanted = set(paths)
     held: dict[str, list[str]] = {}
     for directory in ModelDirectory.objects.select_related("node").prefetch_related("weights"):
@@ -321,32 +312,3 @@ def draft_path(entry: ModelEntry, engine: str) -> Path:
         raise NotServable(f"{entry.name}'s draft model {draft.name} has no {engine} profile.",
                           details={"draft": draft.name, "engine": engine})
     return served_path(draft, profile.get("name"))
-
-
-def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accelerator=None, another_replica=False,
-                   level: int = 0, serves_as: str | None = None, waits_for: tuple[str, ...] = (), shards=()):
-    """How one replica of a catalog model is deployed on ``node``: its profile's file and settings,
-    the entry's task and owner. On-demand loads and the placement loop both deploy through this.
-
-    ``level`` 1 is the recovery ladder's degraded relaunch after running out of memory or hanging
-    (``profiles.degraded``). ``serves_as`` deploys this entry under another
-    model's name: the ladder's fallback to a smaller model, answering for the one that failed.
-    ``waits_for`` names replicas stopped to make room: the new one starts once they have; ``shards``
-    are a tensor-parallel replica's further accelerators (after ``accelerator``, on the same node)."""
-    from serving.deployments.service import DeployRequest
-
-    chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None) or {}
-    kind, path = profiles.engine(chosen), served_path(entry, chosen.get("name"))
-    config = profiles.engine_config(chosen)
-    if entry.draft:
-        config["draft_model"] = str(draft_path(entry, kind))
-    if level >= 1:
-        from scheduler.estimation.reading import read_model
-
-        config = profiles.degraded(kind, config, read_model(path), on_gpu=accelerator is not None,
-                                   shards=1 + len(shards))
-    return DeployRequest(
-        name=serves_as or entry.name, model_path=str(path), node=node,
-        engine=kind, task=entry.task, config=config, accelerator=accelerator,
-        owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica,
-        waits_for=tuple(waits_for), shards=tuple(shards), profile=chosen.get("name") or "")

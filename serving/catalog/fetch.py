@@ -19,24 +19,17 @@ from django.utils import timezone
 from huggingface_hub.utils import build_hf_headers, get_session
 
 from berth.errors import BerthError, InvalidInput
+from serving import queues
 from serving.catalog import entries, hub, validation
 from serving.catalog.errors import FetchRefused
-from serving.catalog.models import FetchJob, ModelFile
+from serving.catalog.paths import local_path, mirror_root, quarantine_root
+from serving.models import FetchJob, ModelFile
 from tenancy import access, audit
 from tenancy.audit import Actor
 
 log = logging.getLogger(__name__)
 CHUNK = 1024 * 1024
 PROGRESS_EVERY_SECONDS = 0.5
-
-
-def mirror_root() -> Path:
-    """Where fetched files live: under the first model root, so deployments may name them."""
-    return Path(settings.SCHEDULER_MODEL_ROOTS[0]) / "hub"
-
-
-def quarantine_root() -> Path:
-    return Path(settings.SCHEDULER_MODEL_ROOTS[0]) / ".quarantine"
 
 
 def free_bytes(path: Path) -> int:
@@ -66,10 +59,6 @@ class Plan:
     quantisation: str
     format: str
     missing_bytes: int
-
-
-def local_path(repo: str, commit: str, path: str) -> Path:
-    return mirror_root() / repo / commit / path
 
 
 def plan(actor: Actor, request: FetchRequest) -> Plan:
@@ -137,9 +126,7 @@ def start(actor: Actor, request: FetchRequest, *, kind: str = FetchJob.Kind.FETC
 
 
 def enqueue_job(job: FetchJob) -> None:
-    from serving.catalog import tasks
-
-    tasks.run_fetch_job.apply_async(args=[str(job.public_id)], queue="control")
+    queues.to_control(queues.RUN_FETCH_JOB, str(job.public_id))
 
 
 def resume(actor: Actor, job: FetchJob, *, enqueue: bool = True) -> FetchJob:

@@ -18,11 +18,19 @@ from typing import Any
 import requests
 from django.conf import settings
 from huggingface_hub import HfApi, hf_hub_url
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from huggingface_hub.utils import build_hf_headers, get_session
 
 from berth.errors import InvalidInput
+from scheduler import memory
+from scheduler.errors import UnreadableModel
+from scheduler.estimation import gguf_header
 from serving.catalog.errors import HubRefused, HubUnreachable, NoMatchingFiles, RepositoryNotFound
 
 DEFAULT_QUANT = "Q4_K_M"
@@ -225,9 +233,6 @@ def read_remote_header(repo: str, commit: str, path: str, size: int, *, first_ch
                        limit: int = 64 * 1024 * 1024) -> Path:
     """A sparse local stand-in for a remote GGUF file: its header bytes, fetched with range requests
     (doubling until the header parses), at the file's full size. The caller removes it."""
-    from scheduler.errors import UnreadableModel
-    from scheduler.estimation import gguf_header
-
     url = file_url(repo, commit, path)
     headers = build_hf_headers(token=token())
     have = b""
@@ -261,8 +266,6 @@ def read_remote_header(repo: str, commit: str, path: str, size: int, *, first_ch
 def remote_estimate(repo: str, commit: str, file: HubFile, context: int = 4096) -> dict[str, Any]:
     """The memory estimate (with its breakdown) of a GGUF file on the hub, from its header alone."""
     import shutil
-
-    from scheduler import memory
 
     stand_in = read_remote_header(repo, commit, file.path, file.size or 0)
     try:

@@ -26,7 +26,7 @@ from django.db import transaction
 from berth.errors import BerthError, InvalidInput
 from serving.catalog import entries, room, validation
 from serving.catalog.errors import InvalidModelEntry, ScalingRefused
-from serving.catalog.models import ModelEntry
+from serving.models import ModelEntry
 from tenancy import access, audit
 from tenancy.audit import Actor
 from tenancy.errors import Forbidden
@@ -113,7 +113,7 @@ def _require_known(values: dict[str, Any]) -> None:
 def change(actor: Actor, entry: ModelEntry, values: dict[str, Any], *, owner: Any = KEEP) -> ModelEntry:
     """Change the placement fields in ``values`` (any of ``FIELDS``) and, unless ``KEEP``, the owner.
 
-    ``entry`` should come with its deployments (``catalog.views.held_entries``) so that what runs
+    ``entry`` should come with its deployments (``catalog.queries.held_entries``) so that what runs
     counts toward a raised minimum. Refused whole — nothing changes — when any rule says no."""
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:

@@ -3,9 +3,10 @@
 A profile states its settings once, in the catalog's words — ``context`` (tokens: llama.cpp's
 ``-c`` for all its slots, vLLM's ``--max-model-len`` per sequence) and ``parallel`` (requests at
 once: llama.cpp's slots, vLLM's ``--max-num-seqs``). This module turns them into the engine's
-configuration, which is what a replica runs with, what its memory is estimated from (the
-deployment service maps engine keys to the estimator's) and what load scaling counts as one
-replica's capacity — one translation, so the three never disagree.
+configuration, which is what a replica runs with, what its memory is estimated from (each engine
+maps its keys to the estimator's: ``Engine.estimation_config``) and what load scaling counts as one
+replica's capacity — one translation, so the three never disagree. The names each engine uses are
+the engine's own (``serving.engines``).
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from serving.engines.registry import ENGINES, engine_for, estimation_config
+
 GIB = 2**30
-DEFAULT_CONTEXT = 4096
-MIN_DEGRADED_CONTEXT = 256  # a degraded relaunch halves the context, never below this
-# The catalog's names → each engine's configuration keys.
-ENGINE_KEYS = {"llamacpp": {"context": "context", "parallel": "parallel"},
-               "vllm": {"context": "max_model_len", "parallel": "max_num_seqs"}}
-# Requests one replica takes at once when the profile does not say (the engines' own defaults).
-DEFAULT_SLOTS = {"llamacpp": 1, "vllm": 256}
+DEFAULT_CONTEXT = 4096  # where neither the configuration, the engine nor the model says
+MIN_DEGRADED_CONTEXT = 256  # a degraded relaunch halves the context, never below this; the minimal footprint's
+# Engines that can run a model on the CPU alone (the minimal footprint moves there); vLLM needs a GPU.
+CPU_ENGINES = frozenset({"llamacpp"})
 
 
 def first(entry) -> dict:
@@ -35,17 +35,18 @@ def engine(profile: dict) -> str:
 
 def engine_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
     """The engine configuration a profile asks for (``kind`` overrides the profile's engine)."""
-    names = ENGINE_KEYS[kind or engine(profile)]
+    names = engine_for(kind or engine(profile)).catalog_keys
     return {names[key]: profile[key] for key in names if profile.get(key)}
 
 
 def running_context(kind: str, config: dict | None) -> int | None:
     """The context (tokens) an engine runs with ``config``: the configured one, else what Berth
     starts it with — llama.cpp 4096 tokens, vLLM the model's own length (None: only the model knows)."""
-    value = (config or {}).get(ENGINE_KEYS.get(kind, ENGINE_KEYS["llamacpp"])["context"])
+    known = engine_for(kind if kind in ENGINES else "llamacpp")
+    value = (config or {}).get(known.catalog_keys["context"])
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    return DEFAULT_CONTEXT if kind == "llamacpp" else None
+    return known.default_context
 
 
 def estimate_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
@@ -53,13 +54,11 @@ def estimate_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
     (``estimation_config``: llama.cpp offloads every layer to its GPUs, vLLM shards over them). An
     unset context is what the engine runs: Berth starts llama.cpp at 4096 tokens, vLLM at the
     model's own length (the estimator's default for both would be the model's)."""
-    from serving.deployments.service import estimation_config
-
     kind = kind or engine(profile)
     config = engine_config(profile, kind)
     context = running_context(kind, config)
     if context is not None:
-        config[ENGINE_KEYS[kind]["context"]] = context
+        config[engine_for(kind).catalog_keys["context"]] = context
     return estimation_config(kind, config, gpus(profile, kind))
 
 
@@ -71,7 +70,7 @@ def gpus(profile: dict, kind: str | None = None) -> int:
 
 def slots(profile: dict) -> int:
     """How many requests one replica takes at once, as configured."""
-    return int(profile.get("parallel") or DEFAULT_SLOTS[engine(profile)])
+    return int(profile.get("parallel") or engine_for(engine(profile)).default_slots)
 
 
 def degraded(kind: str, config: dict[str, Any], shape, *, on_gpu: bool, shards: int = 1) -> dict[str, Any]:
@@ -80,11 +79,32 @@ def degraded(kind: str, config: dict[str, Any], shape, *, on_gpu: bool, shards: 
     it: llama.cpp keeps three quarters of its layers on the GPU, vLLM offloads a quarter of each
     GPU's weights to host memory (``--cpu-offload-gb``). ``shape`` is the model's, as read."""
     config = dict(config)
-    key = ENGINE_KEYS[kind]["context"]
+    key = engine_for(kind).catalog_keys["context"]
     context = running_context(kind, config) or shape.context_length or DEFAULT_CONTEXT
     config[key] = max(MIN_DEGRADED_CONTEXT, context // 2)
     if on_gpu and kind == "llamacpp":
         config["gpu_layers"] = shape.layers * 3 // 4
     elif on_gpu and kind == "vllm":
         config["cpu_offload_gb"] = math.ceil(shape.weights_bytes / max(1, shards) / 4 / GIB * 100) / 100
+    return config
+
+
+def runs_on_cpu(kind: str) -> bool:
+    """Whether ``kind`` can run a model with no accelerator at all."""
+    return kind in CPU_ENGINES
+
+
+def minimal(kind: str, config: dict[str, Any], shape, *, on_gpu: bool, shards: int = 1) -> dict[str, Any]:
+    """The recovery ladder's last rung, tried once before a model with no fallback is parked: the
+    smallest context (``MIN_DEGRADED_CONTEXT``), one slot, and no GPU offload — llama.cpp runs on
+    the CPU (``on_gpu`` False: the caller deploys it with no accelerator), every layer in host
+    memory; vLLM, which needs a GPU, stays on its own with the degraded relaunch's weights offload
+    (``degraded``), the least GPU memory it can run in. No draft model (the caller adds none)."""
+    config = degraded(kind, config, shape, on_gpu=on_gpu, shards=shards)
+    names = engine_for(kind).catalog_keys
+    config[names["context"]] = MIN_DEGRADED_CONTEXT
+    config[names["parallel"]] = 1
+    config.pop("draft_model", None)
+    if kind == "llamacpp":
+        config["gpu_layers"] = 0
     return config

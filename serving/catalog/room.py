@@ -1,6 +1,6 @@
 """Where a held model runs, and the room for more of it.
 
-The room for more is Scheduler II's headroom (``scheduler.placement_service.headroom``): the
+The room for more is the placement policy's headroom (``scheduler.placement_service.headroom``): the
 catalog entry becomes the policy's :class:`~scheduler.policy.inputs.DesiredModel` and is dry-run
 against the current snapshot (the inventory, with every memory reservation — Berth's replicas
 included — as a pinned stand-in). Where the policy cannot be asked, the fit planner is asked per
@@ -17,15 +17,20 @@ from pathlib import Path
 from typing import Mapping
 
 from berth.errors import BerthError
-from serving.catalog import entries, profiles, speed
+from scheduler import memory, placement_service
+from scheduler.models import Node
+from scheduler.placement_service import parked_and_unplaceable
+from scheduler.policy.inputs import DesiredModel, Draft, Profile, Scaling
+from scheduler.snapshot import current_snapshot
+from serving.catalog import entries, profiles, servability, speed
 from serving.catalog.errors import ScalingRefused
-from serving.catalog.models import ModelEntry
+from serving.models import ModelEntry
+from serving.models.states import COMING_UP, LOADABLE, TERMINAL, UP
+from tenancy.audit import SYSTEM
 
 log = logging.getLogger(__name__)
 
 # Replica states that count as running (or about to): they hold a port and memory.
-LIVE = ("planned", "queued", "starting", "loading", "ready", "sleeping")
-STARTING = ("planned", "queued", "starting", "loading")
 HEADROOM_LIMIT = 16
 
 
@@ -49,16 +54,16 @@ class Room:
 
 def live_replicas(entry: ModelEntry) -> list:
     """The entry's replicas that run or are starting (``entry.deployments`` from ``held_entries``)."""
-    return [r for d in getattr(entry, "deployments", []) for r in d.replica_set.all() if r.state in LIVE]
+    return [r for d in getattr(entry, "deployments", []) for r in d.replica_set.all() if r.state in LOADABLE]
 
 
 def placement(entry: ModelEntry, verdicts: dict | None = None) -> dict:
     """Ready of wanted, starting, nodes and the state word (serving / starting / parked /
     unplaceable / idle / stopped) of one held model."""
     replicas = live_replicas(entry)
-    ready = sum(r.state in ("ready", "sleeping") for r in replicas)
-    starting = sum(r.state in STARTING for r in replicas)
-    active = [d for d in getattr(entry, "deployments", []) if d.state not in ("stopped", "failed")]
+    ready = sum(r.state in UP for r in replicas)
+    starting = sum(r.state in COMING_UP for r in replicas)
+    active = [d for d in getattr(entry, "deployments", []) if d.state not in TERMINAL]
     wanted = max(entry.scaling_min, sum(d.replicas for d in active))
     nodes = sorted({r.node.name for r in replicas})
     verdict = (verdicts or {}).get(entry.name) or (verdicts or {}).get(str(entry.public_id))
@@ -76,14 +81,11 @@ def placement(entry: ModelEntry, verdicts: dict | None = None) -> dict:
 
 
 def placement_verdicts() -> dict[str, dict]:
-    """The latest parked or unschedulable verdict per model, from Scheduler II's evidence rows: every
+    """The latest parked or unschedulable verdict per model, from the placement policy's evidence rows: every
     model's (read as Berth itself); callers show them only beside the entries the reader sees."""
     try:
-        from scheduler.placement_service import parked_and_unplaceable
-        from tenancy.audit import SYSTEM
-
         found = parked_and_unplaceable(SYSTEM)
-    except (ImportError, BerthError) as error:  # Scheduler II absent or refusing: no verdicts
+    except BerthError as error:  # the placement evidence cannot be read now: no verdicts
         log.warning("placement verdicts unavailable: %s", error)
         return {}
     verdicts = {}
@@ -102,8 +104,6 @@ def _profile_bytes(entry: ModelEntry, profile: dict) -> int | None:
         path = entries.served_path(entry, profile.get("name"))
     except BerthError:
         return None
-    from serving.catalog import servability
-
     verdict = servability.check(path, profile=profile)
     if not verdict.servable or not verdict.estimate:
         return None
@@ -114,8 +114,6 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
     """The entry as the policy's model, wanting no replica of its own (so the dry run counts only
     what comes on top of what already runs: running replicas are in the snapshot as reservations).
     ``speeds``: measured tokens/s per (model, profile), read for this entry when not given."""
-    from scheduler.policy.inputs import DesiredModel, Draft, Profile, Scaling
-
     speeds = speed.measured([entry.name]) if speeds is None else speeds
 
     ways, servable = [], []
@@ -145,8 +143,6 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
 def _draft_bytes(entry: ModelEntry, profile: dict) -> int | None:
     """What the entry's draft model adds to one replica of ``profile`` (the same engine, context and
     slots), or None when the draft cannot be served."""
-    from scheduler import memory
-
     engine = profiles.engine(profile)
     try:
         config = memory.engine_config(engine, profiles.estimate_config(profile))
@@ -158,18 +154,15 @@ def _draft_bytes(entry: ModelEntry, profile: dict) -> int | None:
 
 
 def room_for_more(entry: ModelEntry, *, record: bool = False) -> Room:
-    """Scheduler II's headroom for the entry; the fit planner per node where that cannot be asked."""
+    """The placement policy's headroom for the entry; the fit planner per node where that cannot be asked."""
     model = desired_model(entry)
     if model is None:
         return Room(more=None, note="No memory estimate: the model has no verified, servable file.")
     per_replica = max(p.footprint() for p in model.profiles)
     try:
-        from scheduler import placement_service
-        from scheduler.snapshot import current_snapshot
-
         answer = placement_service.headroom(current_snapshot((model,)), model.id, limit=HEADROOM_LIMIT,
                                             record=record)
-    except (ImportError, BerthError) as error:
+    except BerthError as error:
         log.warning("headroom unavailable for %s, asking the fit planner: %s", entry.name, error)
         return fit_per_node(entry, per_replica)
     return Room(more=int(answer.get("more") or 0), nodes=dict(Counter(answer.get("nodes") or [])),
@@ -178,9 +171,6 @@ def room_for_more(entry: ModelEntry, *, record: bool = False) -> Room:
 
 def fit_per_node(entry: ModelEntry, per_replica: int | None = None) -> Room:
     """The fit planner's answer, node by node: free memory for new work over one replica's estimate."""
-    from scheduler import memory
-    from scheduler.models import Node
-
     profile = profiles.first(entry)
     if not profile:
         return Room(more=None, note="The model has no profile.")

@@ -18,7 +18,13 @@ from pathlib import Path
 
 from django.conf import settings
 
+from berth.errors import BerthError
+from scheduler import memory
+from scheduler.errors import ModelNotFound, UnreadableModel
+from scheduler.estimation.reading import read_model
 from serving.catalog import profiles
+from serving.catalog.entries import served_path
+from serving.engines import build_llamacpp
 
 SOURCE_VERSION = "llama.cpp 0c1e570 (llama-cpp-python 0.3.36)"
 KNOWN_LLAMACPP = frozenset("""
@@ -57,8 +63,6 @@ def architectures_in_binary(binary: str) -> frozenset[str]:
 
 
 def llamacpp_architectures() -> frozenset[str]:
-    from serving.engines import build_llamacpp
-
     engine = build_llamacpp.installed(Path(settings.ENGINE_CACHE_DIR))
     found = architectures_in_binary(str(engine.path)) if engine is not None else frozenset()
     return found | KNOWN_LLAMACPP
@@ -79,9 +83,6 @@ class Servability:
 def check(path: str | Path, *, profile: dict | None = None, with_estimate: bool = True) -> Servability:
     """Whether the installed engine can load the model at ``path`` (a GGUF file or a safetensors
     folder), with its memory estimate at the catalog ``profile``'s settings (context, parallel)."""
-    from scheduler.errors import ModelNotFound, UnreadableModel
-    from scheduler.estimation.reading import read_model
-
     path = Path(path)
     if path.is_dir() and (path / "config.json").exists():
         config = json.loads((path / "config.json").read_text())
@@ -109,17 +110,12 @@ def check(path: str | Path, *, profile: dict | None = None, with_estimate: bool 
 def check_entry(entry) -> Servability:
     """``check`` for a catalog model as its first profile serves it (BerthError when it has no
     servable file)."""
-    from serving.catalog.entries import served_path
-
     return check(served_path(entry), profile=profiles.first(entry))
 
 
 def _with_estimate(verdict: Servability, path: Path, profile: dict) -> Servability:
     """The verdict with the estimator's figure for one replica (per GPU for vLLM); a model whose
     weights cannot be read is not servable, and the reason says why."""
-    from berth.errors import BerthError
-    from scheduler import memory
-
     try:
         result = memory.estimate_and_fit(path, verdict.engine, profiles.estimate_config(profile, verdict.engine),
                                          check_root=False)

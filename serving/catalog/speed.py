@@ -19,7 +19,7 @@ from typing import Iterable
 
 from django.db import transaction
 
-from serving.catalog.models import ProfileSpeed
+from serving.models import ProfileSpeed, Replica
 
 log = logging.getLogger(__name__)
 MIN_TOKENS = 8  # fewer say more about latency than about speed
@@ -40,8 +40,6 @@ def _sample(row: dict) -> tuple[str, float, float] | None:
 
 def note(rows: Iterable[dict]) -> int:
     """Add a batch of usage rows to the profiles they ran on; how many rows counted."""
-    from serving.models import Replica
-
     samples = [s for s in map(_sample, rows) if s is not None]
     if not samples:
         return 0

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from serving.catalog.errors import InvalidModelEntry
+from serving.models import ModelEntry
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -88,10 +89,9 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
         problem("scaling_max", f"At least the minimum ({low}), not {high}.")
     timeout = entry.get("idle_timeout_seconds")
     if timeout is not None and (not _whole(timeout) or timeout < 1):
-        from serving.ondemand import DEFAULT_IDLE_SECONDS
 
         problem("idle_timeout_seconds", f"Seconds, at least 1 (not {timeout!r}), or empty for the default "
-                                        f"({DEFAULT_IDLE_SECONDS} s).")
+                                        f"({ModelEntry.DEFAULT_IDLE_SECONDS} s).")
     cap = entry.get("max_output_tokens")
     if cap is not None and (not _whole(cap) or not 1 <= cap <= MAX_OUTPUT_TOKENS):
         problem("max_output_tokens", f"A whole number of tokens, 1 to {MAX_OUTPUT_TOKENS} (not {cap!r}), or empty "

@@ -1,8 +1,11 @@
 """Switch A → B and reconfigure, with rollback.
 
-A switch frees A's memory for B (stopping A — llama.cpp cannot sleep — and counting what A held as
-available), deploys B under A's model name, and waits for B to be ready. If B cannot be deployed or
-fails to come up, every step taken is undone in reverse order: B is stopped, A started again and
+A switch first checks B as a deploy would — validated, estimated and fitted, counting what A holds as
+free — and is refused at once, recording nothing, when B is invalid or would not fit even in A's
+place. Only then, on the control worker, does it free A's memory for B (stopping A — llama.cpp cannot
+sleep), deploy B under A's model name, and wait for B to be ready (time B waits at the start-up gate
+is not counted against it). If B cannot be deployed or fails to come up, every step taken is undone
+in reverse order: B is stopped and removed (why it failed is kept in the step), A started again and
 waited for. An undo step that fails leaves the operation ``rollback_incomplete`` naming the step,
 so a person knows exactly what to look at. Every step is a line of the Operation row.
 """
@@ -18,9 +21,12 @@ from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from berth.errors import BerthError
+from serving import queues
 from serving.deployments import service
+from serving.deployments.request import DeployRequest
 from serving.errors import DeploymentConflict, InvalidDeployment
 from serving.models import Deployment, DeploymentState as S, Operation
+from serving.models.states import STARTING_UP, TERMINAL, UP
 from tenancy import audit
 from tenancy.audit import Actor
 
@@ -28,16 +34,20 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_SECONDS = 120
 
 
-def switch(actor: Actor, source: Deployment, request: service.DeployRequest,
+def switch(actor: Actor, source: Deployment, request: DeployRequest,
            kind: str = Operation.Kind.SWITCH) -> Operation:
     """Record a switch of ``source`` to what ``request`` describes (under ``source``'s name) and hand
-    it to the control worker. Refused at once when ``source`` is not serving."""
+    it to the control worker. Refused at once, changing nothing, when ``source`` is not serving or
+    when B is invalid or would not fit even with A's memory given back (``service.fit_in_place_of``):
+    A is only stopped for a B that can take its place."""
     service.require(actor, "use", source)
-    if source.state not in (S.READY, S.SLEEPING):
+    if source.state not in UP:
         raise DeploymentConflict(f"{source.name} is {source.state}: only a serving deployment is switched.")
     if Operation.objects.filter(source=source, state=Operation.State.RUNNING).exists():
         raise DeploymentConflict(f"{source.name} is already being switched.")
-    description = _describe(request)
+    request = dataclasses.replace(request, name=source.name)
+    service.fit_in_place_of(actor, request, source)
+    description = request.as_json()
     with transaction.atomic():
         operation = Operation.objects.create(kind=kind, source=source, request=description, requested_by=actor.user)
         audit.record(actor, f"deployment.{kind}", source, scope=source.owner, details={"to": description})
@@ -47,14 +57,11 @@ def switch(actor: Actor, source: Deployment, request: service.DeployRequest,
 
 def reconfigure(actor: Actor, source: Deployment, config_patch: dict) -> Operation:
     """Change one deployment's engine configuration in place, with the same rollback as a switch."""
-    request = service.DeployRequest(name=source.name, model_path=source.model_path, node=source.node,
-                                    engine=source.engine, runtime=source.runtime, task=source.task,
-                                    config={**source.config, **config_patch}, owner=source.owner,
-                                    priority=source.priority, cores=source.cores, profile=source.profile)
+    request = DeployRequest.of(source, config={**source.config, **config_patch})
     return switch(actor, source, request, kind=Operation.Kind.RECONFIGURE)
 
 
-def deploy_after(actor: Actor, request: service.DeployRequest, actions: list[dict]) -> Operation:
+def deploy_after(actor: Actor, request: DeployRequest, actions: list[dict]) -> Operation:
     """Deploy once the chosen actions (``{"kind": "sleep"|"stop", "target": name}``, as the fit's plans
     name them) have freed memory; if the deploy is still refused, the actions are undone."""
     problems = [a for a in actions if a.get("kind") not in ("sleep", "stop") or not a.get("target")]
@@ -64,12 +71,12 @@ def deploy_after(actor: Actor, request: service.DeployRequest, actions: list[dic
     targets = []
     for action in actions:
         target = Deployment.objects.filter(name=action["target"], node=request.node,
-                                           state__in=(S.READY, S.SLEEPING)).first()
+                                           state__in=UP).first()
         if target is None:
             raise InvalidDeployment(f"No running deployment {action['target']!r} on {request.node.name}.")
         service.require(actor, "use", target)
         targets.append(target)
-    description = _describe(request) | {"name": request.name, "actions": actions}
+    description = request.as_json() | {"actions": actions}
     with transaction.atomic():
         operation = Operation.objects.create(kind=Operation.Kind.DEPLOY, request=description,
                                              requested_by=actor.user)
@@ -78,17 +85,8 @@ def deploy_after(actor: Actor, request: service.DeployRequest, actions: list[dic
     return operation
 
 
-def _describe(request: service.DeployRequest) -> dict:
-    return {"model_path": request.model_path, "node": request.node.name, "engine": request.engine,
-            "runtime": request.runtime, "task": request.task, "config": request.config,
-            "priority": request.priority, "cores": request.cores,
-            "owner": request.owner.pk if request.owner else None}
-
-
 def _enqueue(operation: Operation) -> None:
-    from serving import tasks
-
-    tasks.run_operation.delay(str(operation.public_id))
+    queues.to_control(queues.RUN_OPERATION, str(operation.public_id))
 
 
 @dataclasses.dataclass
@@ -109,17 +107,6 @@ class _Run:
         return self.operation
 
 
-def _request(description: dict, name: str) -> service.DeployRequest:
-    from scheduler.models import Node
-    from tenancy.models import Scope
-
-    return service.DeployRequest(
-        name=name, model_path=description["model_path"], node=Node.objects.get(name=description["node"]),
-        engine=description["engine"], runtime=description["runtime"], task=description["task"],
-        config=description["config"], priority=description["priority"], cores=description["cores"],
-        owner=Scope.objects.filter(pk=description["owner"]).first() if description["owner"] else None)
-
-
 def run(operation_id: str) -> Operation:
     """Carry an operation out (the control worker's task calls this)."""
     operation = Operation.objects.select_related("source__node").get(public_id=operation_id)
@@ -127,7 +114,7 @@ def run(operation_id: str) -> Operation:
     if operation.kind == Operation.Kind.DEPLOY:
         return _run_deploy_after(run)
     source = operation.source
-    request = _request(operation.request, source.name)
+    request = dataclasses.replace(DeployRequest.from_json(operation.request), name=source.name)
 
     # 1. Free A's memory: llama.cpp cannot sleep, so A stops (vLLM's sleep frees too little to count on).
     try:
@@ -145,28 +132,32 @@ def run(operation_id: str) -> Operation:
         operation.target = target
         operation.save(update_fields=["target"])
         run.step("deploy B", "done", f"B placed on {request.node.name}")
-        _wait(target, (S.READY,), settings.SERVING_STARTUP_TIMEOUT_SECONDS + 60)
+        _wait_ready(target)
         run.step("B ready", "done", f"{target.name} is served by B")
         return run.finish(Operation.State.SUCCEEDED, f"{source.name} now runs on B; A is stopped and kept.")
     except BerthError as error:
         run.step("B ready" if target else "deploy B", "failed", error.message)
         failure = error.message
 
-    # 3. Undo, in reverse order: stop B, start A again.
+    # 3. Undo, in reverse order: stop B and remove it (a failed switch leaves only A; why B failed
+    # is kept in this step's message), start A again.
     undo_failed = []
     if target is not None:
         try:
             target.refresh_from_db()
-            if target.state not in (S.STOPPED, S.FAILED):
+            if target.state not in TERMINAL:
                 service.stop(run.actor, target)
-                _wait(target, (S.STOPPED, S.FAILED), STOP_TIMEOUT_SECONDS)
-            run.step("undo: stop B", "done")
+                _wait(target, TERMINAL, STOP_TIMEOUT_SECONDS)
+            evidence = _evidence(target)
+            service.remove(run.actor, target)
+            operation.target = None  # the row is gone (the foreign key is set to null)
+            run.step("undo: stop B", "done", f"B stopped and removed.{evidence}")
         except BerthError as error:
             run.step("undo: stop B", "failed", error.message)
             undo_failed.append("stop B")
     try:
         service.start(run.actor, Deployment.objects.get(pk=source.pk))
-        _wait(source, (S.READY,), settings.SERVING_STARTUP_TIMEOUT_SECONDS + 60)
+        _wait_ready(source)
         run.step("undo: start A", "done", f"{source.name} is served by A again")
     except BerthError as error:
         run.step("undo: start A", "failed", error.message)
@@ -179,12 +170,12 @@ def run(operation_id: str) -> Operation:
 
 def _run_deploy_after(run: _Run) -> Operation:
     description = run.operation.request
-    request = _request(description, description["name"])
+    request = DeployRequest.from_json(description)
     done = []  # (action, deployment), to undo in reverse
     failure = ""
     for action in description["actions"]:
         target = Deployment.objects.filter(name=action["target"], node=request.node,
-                                           state__in=(S.READY, S.SLEEPING)).first()
+                                           state__in=UP).first()
         try:
             if target is None:
                 raise BerthError(f"{action['target']} no longer runs there.", code="action_target_gone")
@@ -219,7 +210,7 @@ def _run_deploy_after(run: _Run) -> Operation:
                 service.wake(run.actor, target)
             else:
                 service.start(run.actor, target)
-            _wait(target, (S.READY,), settings.SERVING_STARTUP_TIMEOUT_SECONDS + 60)
+            _wait_ready(target)
             run.step(name, "done")
         except BerthError as error:
             run.step(name, "failed", error.message)
@@ -233,6 +224,26 @@ def _run_deploy_after(run: _Run) -> Operation:
 class _Timeout(BerthError):
     status = 504
     code = "operation_timeout"
+
+
+def _evidence(deployment: Deployment) -> str:
+    """Why ``deployment`` ended, as its events tell it (the last log lines of its engine, if any),
+    written into a step before its rows are removed."""
+    ended = deployment.events.filter(to_state__in=TERMINAL).order_by("-at", "-pk").first()
+    if ended is None:
+        return ""
+    tail = next((e.log_tail for e in deployment.events.exclude(log_tail="").order_by("-at", "-pk")[:1]), "")
+    return f" It was {ended.to_state}: {ended.message}" + (f"\nLast log lines:\n{tail[-4000:]}" if tail else "")
+
+
+def _wait_ready(deployment: Deployment) -> None:
+    """Until ``deployment`` is ready. Its start-up deadline starts when it leaves the start-up gate's
+    queue: time spent queued behind other engines' starts is not its own (the queue is bounded on its
+    own: a replica queued longer than ``SERVING_QUEUE_TIMEOUT_SECONDS`` fails, and this fails with it)."""
+    startup = settings.SERVING_STARTUP_TIMEOUT_SECONDS + 60
+    _wait(deployment, (S.QUEUED, *STARTING_UP, S.READY), startup)  # the node's agent takes it up
+    _wait(deployment, (*STARTING_UP, S.READY), settings.SERVING_QUEUE_TIMEOUT_SECONDS + 60)  # its turn comes
+    _wait(deployment, (S.READY,), startup)
 
 
 def _wait(deployment: Deployment, states: tuple[str, ...], timeout: float) -> None:

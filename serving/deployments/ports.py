@@ -6,8 +6,8 @@ import socket
 
 from django.conf import settings
 
-from serving.models import HOLDING_STATES, Replica
 from serving.errors import NoFreePort
+from serving.models import HOLDING, Replica
 
 
 def allocate(node) -> int:
@@ -15,7 +15,7 @@ def allocate(node) -> int:
     machine listens on (for the local node). The unique constraint on (node, port) among holding
     replicas settles a race: the loser's transaction fails and is retried by its caller."""
     low, high = settings.SERVING_PORT_RANGE
-    taken = set(Replica.objects.filter(node=node, state__in=HOLDING_STATES).values_list("port", flat=True))
+    taken = set(Replica.objects.filter(node=node, state__in=HOLDING).values_list("port", flat=True))
     for port in range(low, high + 1):
         if port in taken:
             continue

@@ -1,80 +1,37 @@
-"""The deployment verbs: preview, deploy, stop, remove. The API, the console, commands and the
-reconcile loop call these; the node agent carries out what touches engines (``serving.agent``)."""
+"""The deployment verbs: preview, deploy, start, stop, sleep, wake, remove. The API, the console,
+commands and the control loop call these; the node agent carries out what touches engines
+(``serving.node``), reached through its queue (``serving.queues``)."""
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from berth.errors import NotFound
 from scheduler import memory
-from scheduler.errors import InsufficientMemory
+from scheduler.errors import InsufficientMemory, NotPlaceable
 from scheduler.models import Accelerator, Node
-from serving.deployments import ports, states
-from serving.engines.registry import engine_for
-from serving.errors import DeploymentConflict, InvalidDeployment, SleepNotSupported
-from serving.models import Deployment, DeploymentState as S, Replica
+from scheduler.policy.fit import Resident, plan_fit
+from serving import queues
+from serving.deployments import gate, ports, states
+from serving.deployments.request import DeployRequest
+from serving.deployments.states import holder_of, release
+from serving.engines.registry import engine_for, estimation_config
+from serving.errors import DeploymentConflict, InvalidDeployment, SleepNotSupported, WakeRefused
+from serving.models import Deployment, DeploymentEvent, DeploymentState as S, Replica
+from serving.models.states import BEFORE_START, HOLDING, RESIDENT, SERVING, TERMINAL
 from tenancy import access, audit
 from tenancy.audit import Actor
-from tenancy.models import Scope
 from tenancy.services import contracts
 
+__all__ = ["DeployRequest", "deploy", "fit_in_place_of", "preview", "remove", "sleep", "start", "stop", "wake"]
+
 GIB = 2**30
-# Engine configuration keys (as engines take them) → the estimator's names for the same thing.
-ESTIMATION_KEYS = {
-    "llamacpp": {"context": "ctx_size", "ctx_size": "ctx_size", "parallel": "parallel", "gpu_layers": "n_gpu_layers",
-                 "n_gpu_layers": "n_gpu_layers", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
-                 "ubatch_size": "ubatch_size", "flash_attn": "flash_attention", "flash_attention": "flash_attention"},
-    "vllm": {"max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs", "kv_cache_dtype": "kv_cache_dtype",
-             "tensor_parallel_size": "tensor_parallel_size", "enforce_eager": "enforce_eager",
-             "max_num_batched_tokens": "max_num_batched_tokens"},
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class DeployRequest:
-    name: str
-    model_path: str
-    node: Node
-    engine: str = Deployment.Engine.LLAMACPP
-    runtime: str = Deployment.Runtime.PROCESS
-    task: str = Deployment.Task.CHAT
-    config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    accelerator: Accelerator | None = None
-    # A tensor-parallel replica's further accelerators, on the same node: a shard on each.
-    shards: tuple[Accelerator, ...] = ()
-    owner: Scope | None = None
-    priority: int = 50
-    cores: int | None = None
-    # The placement loop adds replicas of a catalog model: more than one deployment serves its name.
-    another_replica: bool = False
-    # Replicas stopped to make room for this one (preemption): it starts once they have stopped.
-    waits_for: tuple[str, ...] = ()
-    profile: str = ""  # the catalog profile it runs ("" when deployed by hand)
-
-
-def estimation_config(engine: str, config: dict[str, Any], gpus: int = 0) -> dict[str, Any]:
-    """An engine configuration in the estimator's names, with what the engine does by default on
-    ``gpus`` placed accelerators: llama.cpp offloads every layer and splits them over the GPUs,
-    vLLM shards the model over them (tensor parallel)."""
-    names = ESTIMATION_KEYS.get(engine, {})
-    translated = {}
-    for key, value in config.items():
-        if key in names and value is not None:
-            if names[key] == "n_gpu_layers" and isinstance(value, str):
-                value = -1 if value == "all" else int(value)
-            if names[key] == "flash_attention" and isinstance(value, str):
-                value = value != "off"  # "auto" may use it: estimate as if it does
-            translated[names[key]] = value
-    if engine == "llamacpp" and gpus:
-        translated.setdefault("n_gpu_layers", -1)
-        if gpus > 1:
-            translated["split_gpus"] = gpus
-    if engine == "vllm" and gpus > 1:
-        translated.setdefault("tensor_parallel_size", gpus)
-    return translated
+PLACEMENT = "placement"  # the system actor of the placement pass (serving.control.placement)
 
 
 def _validate(request: DeployRequest) -> dict[str, Any]:
@@ -113,20 +70,55 @@ def _require_owner(actor: Actor, request: DeployRequest) -> None:
         raise InvalidDeployment("Name the project (or team) this deployment belongs to.", details={"owner": "required"})
 
 
-def residents(node: Node) -> list:
-    """The node's running deployments as the fit planner sees them."""
-    from scheduler.policy.fit import Resident
-
+def residents(node: Node, *, leaving: Deployment | None = None) -> list:
+    """The node's running deployments as the fit planner sees them (but ``leaving``, about to stop)."""
+    running = Deployment.objects.filter(node=node, state__in=RESIDENT)
+    if leaving is not None:
+        running = running.exclude(pk=leaving.pk)
     return [Resident(name=d.name, memory_bytes=d.memory_reserved_bytes or 0, priority=d.priority,
                      can_sleep=d.engine == Deployment.Engine.VLLM, sleeping=d.state == S.SLEEPING)
-            for d in Deployment.objects.filter(node=node, state__in=(S.READY, S.SLEEPING, S.UNKNOWN))]
+            for d in running]
 
 
-def _estimate(request: DeployRequest, config: dict[str, Any], residents=()) -> memory.EstimateResult:
-    gpus = len(request.shards) + 1 if request.accelerator is not None else 0
+def _estimate(request: DeployRequest, config: dict[str, Any], residents=(), freeing=()) -> memory.EstimateResult:
+    gpus = len(request.accelerators)
     return memory.estimate_and_fit(request.model_path, request.engine, estimation_config(request.engine, config, gpus),
                                    node=request.node, accelerator=request.accelerator, residents=residents,
-                                   priority=request.priority, draft_path=config.get("draft_model"))
+                                   priority=request.priority, draft_path=config.get("draft_model"), freeing=freeing)
+
+
+def _refuse_unless_fits(request: DeployRequest, result: memory.EstimateResult, fit=None) -> None:
+    """The refusal of a deploy that does not fit (409): the fit, with its plans, and the estimate."""
+    fit = fit or result.fit
+    if fit is not None and not fit.fits:
+        raise InsufficientMemory(f"{request.name} does not fit on {request.node.name}: "
+                                 f"{result.estimate.total_bytes / GIB:,.2f} GiB needed.",
+                                 details={"fit": fit.as_dict(), "estimate": result.estimate.as_dict()})
+
+
+def fit_in_place_of(actor: Actor, request: DeployRequest, source: Deployment) -> memory.EstimateResult:
+    """Would ``request`` (B) deploy once ``source`` (A) has stopped? Validated, estimated and fitted
+    as ``deploy`` would (refused with the same errors: 400 when B is invalid, 409 with the fit and its
+    plans when it does not fit), with what A holds counted as free: its replicas' reservations on
+    B's node, a shard on each of its accelerators. The plans leave A out (it is going anyway).
+    Changes nothing: a switch asks this before it stops A, so an impossible B never costs A its engine."""
+    _require_owner(actor, request)
+    config = _validate(request)
+    freeing = [holder_of(replica) for replica in source.replica_set.filter(state__in=HOLDING)]
+    result = _estimate(request, config, residents(request.node, leaving=source), freeing=freeing)
+    _refuse_unless_fits(request, result)
+    if request.node.state != Node.State.READY:
+        raise NotPlaceable(f"Node {request.node.name} is {request.node.get_state_display().lower()}: "
+                           "no new work goes there.", details={"state": request.node.state})
+    for accelerator in request.accelerators:
+        # The estimate fitted the first accelerator (or the node's RAM); each takes a shard of the same size.
+        if not accelerator.placeable:
+            raise NotPlaceable(f"{accelerator} cannot take work: {accelerator.unplaceable_reason}",
+                               details={"reason": accelerator.unplaceable_reason})
+        budget = memory.budget_for(request.node, accelerator, freeing=freeing)
+        if budget is not None:
+            _refuse_unless_fits(request, result, plan_fit(budget, result.estimate.total_bytes))
+    return result
 
 
 def deploy(actor: Actor, request: DeployRequest) -> Deployment:
@@ -135,30 +127,35 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
     _require_owner(actor, request)
     config = _validate(request)
     result = _estimate(request, config)
-    if result.fit is not None and not result.fit.fits:
-        raise InsufficientMemory(f"{request.name} does not fit on {request.node.name}: "
-                                 f"{result.estimate.total_bytes / GIB:,.2f} GiB needed.",
-                                 details={"fit": result.fit.as_dict(), "estimate": result.estimate.as_dict()})
+    _refuse_unless_fits(request, result)
     reserve_bytes = result.estimate.total_bytes
     try:
         with transaction.atomic():
             if not request.another_replica and Deployment.objects.filter(
-                    name=request.name.strip(), state__in=states.ACTIVE + (S.PLANNED,)).exists():
+                    name=request.name.strip(), state__in=SERVING).exists():
                 raise DeploymentConflict(f"A deployment already serves {request.name!r}; stop it or switch to the new one.")
             deployment = Deployment.objects.create(
                 name=request.name.strip(), task=request.task, engine=request.engine, runtime=request.runtime,
                 model_path=str(memory.allowed_model_path(request.model_path)), config=config, profile=request.profile,
                 node=request.node,
-                gpu_uuids=[a.uuid for a in (request.accelerator, *request.shards) if a is not None], owner=request.owner,
+                gpu_uuids=[a.uuid for a in request.accelerators], owner=request.owner,
                 priority=request.priority, cores=request.cores, memory_reserved_bytes=reserve_bytes,
                 estimate=result.estimate.as_dict(), created_by=actor.user)
             _place(actor, deployment, accelerators_of(deployment), result.device, waits_for=request.waits_for)
+            _changed(actor)
             audit.record(actor, "deployment.create", deployment, scope=request.owner, details={
                 "name": deployment.name, "engine": deployment.engine, "runtime": deployment.runtime,
                 "node": request.node.name, "reserved_bytes": reserve_bytes})
     except IntegrityError as exc:
         raise DeploymentConflict("Another deployment took the same port at the same moment; try again.") from exc
     return deployment
+
+
+def _changed(actor: Actor) -> None:
+    """What should run has changed: a reconcile pass within a second places around it (catalog
+    models may now fit, or need room). Not for the placement pass's own launches and evictions."""
+    if actor.system != PLACEMENT:
+        queues.reconcile_soon()
 
 
 def accelerators_of(deployment: Deployment) -> list[Accelerator]:
@@ -184,49 +181,37 @@ def _place(actor: Actor, deployment: Deployment, accelerators: list[Accelerator]
         gpus = len(accelerators) if device != "cpu" else 0
         contracts.reserve(deployment.owner, holder, actor=actor,
                           gpu_memory_gib=round(reserve_bytes * gpus / GIB, 2), gpus=gpus, cores=deployment.cores or 0)
-    transaction.on_commit(lambda: dispatch("start", replica))
+    transaction.on_commit(lambda: queues.to_node("start", replica))
     return replica
 
 
 def start(actor: Actor, deployment: Deployment) -> Deployment:
     """Start a stopped or failed deployment again, with a fresh replica (and a fresh fit check)."""
     require(actor, "use", deployment)
-    if deployment.state not in (S.STOPPED, S.FAILED):
+    if deployment.state not in TERMINAL:
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a stopped or failed deployment starts.")
     accelerators = accelerators_of(deployment)
     with transaction.atomic():
-        if Deployment.objects.filter(name=deployment.name, state__in=states.ACTIVE + (S.PLANNED,)) \
+        if Deployment.objects.filter(name=deployment.name, state__in=SERVING) \
                 .exclude(pk=deployment.pk).exists():
             raise DeploymentConflict(f"Another deployment serves {deployment.name!r} now; stop it first.")
         _place(actor, deployment, accelerators, "gpu" if accelerators else "cpu")
+        _changed(actor)
         audit.record(actor, "deployment.start", deployment, scope=deployment.owner, details={"name": deployment.name})
     return deployment
-
-
-def holder_of(replica: Replica) -> str:
-    return f"replica:{replica.public_id}"
-
-
-def dispatch(operation: str, replica: Replica) -> None:
-    """Hand an engine operation to the agent of the replica's node."""
-    from serving import tasks
-
-    task = {"start": tasks.start_replica, "stop": tasks.stop_replica, "sleep": tasks.sleep_replica,
-            "wake": tasks.wake_replica}[operation]
-    task.apply_async(args=[str(replica.public_id)], queue=f"node.{replica.node.name}")
 
 
 def stop(actor: Actor, deployment: Deployment) -> Deployment:
     """Stop every replica; a queued one is cancelled at once. Never waits on the start-up gate."""
     require(actor, "use", deployment)
     with transaction.atomic():
+        _changed(actor)
         audit.record(actor, "deployment.stop", deployment, scope=deployment.owner, details={"name": deployment.name})
-        for replica in deployment.replica_set.select_for_update().filter(state__in=states.ACTIVE + (S.PLANNED,)):
-            if replica.state in (S.PLANNED, S.QUEUED):
+        for replica in deployment.replica_set.select_for_update().filter(state__in=SERVING):
+            if replica.state in BEFORE_START:
                 states.move(replica, S.STOPPED, "cancelled before it started")
-                release(replica)
             else:
-                transaction.on_commit(lambda r=replica: dispatch("stop", r))
+                transaction.on_commit(lambda r=replica: queues.to_node("stop", r))
     deployment.refresh_from_db()
     return deployment
 
@@ -242,38 +227,59 @@ def sleep(actor: Actor, deployment: Deployment) -> Deployment:
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a ready deployment sleeps.")
     audit.record(actor, "deployment.sleep", deployment, scope=deployment.owner, details={"name": deployment.name})
     for replica in replicas:
-        dispatch("sleep", replica)
+        queues.to_node("sleep", replica)
     return deployment
 
 
-def wake(actor: Actor, deployment: Deployment) -> Deployment:
-    """Wake a sleeping deployment once the memory it takes back is free again."""
+WAKE_POLL_SECONDS = 0.1  # how often a wake request looks at its replicas
+
+
+def wake(actor: Actor, deployment: Deployment, *, wait_seconds: float | None = None) -> Deployment:
+    """Wake a sleeping deployment. Its agent claims the memory back, then takes a start-up slot: a
+    wake waits its turn behind engines starting, first come first served with queued starts
+    (``gate``). Waits up to ``wait_seconds`` (``SERVING_WAKE_WAIT_SECONDS``) for it to be awake and
+    returns it as it is then: still sleeping means the wake goes on in the background, in line
+    (``gate.wake_position``), for at most ``SERVING_WAKE_TIMEOUT_SECONDS`` in all. Refused with the
+    agent's reason (``WakeRefused``) when the wake ended with it still asleep: its memory not free."""
     require(actor, "use", deployment)
     replicas = list(deployment.replica_set.filter(state=S.SLEEPING))
     if not replicas:
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a sleeping deployment wakes.")
     audit.record(actor, "deployment.wake", deployment, scope=deployment.owner, details={"name": deployment.name})
+    asked = timezone.now()
     for replica in replicas:
-        dispatch("wake", replica)
+        gate.ask_wake(replica)  # in line from now (a wake asked for already keeps its place)
+        queues.to_node("wake", replica)
+    wait = settings.SERVING_WAKE_WAIT_SECONDS if wait_seconds is None else wait_seconds
+    deadline = time.monotonic() + wait
+    rows = Replica.objects.filter(pk__in=[r.pk for r in replicas])
+    while True:  # the agent clears ``wake_requested_at`` when the wake ends, awake or not
+        if not rows.filter(state=S.SLEEPING, wake_requested_at__isnull=False).exists():
+            break
+        if time.monotonic() >= deadline:
+            deployment.refresh_from_db()
+            return deployment
+        time.sleep(WAKE_POLL_SECONDS)
+    deployment.refresh_from_db()
+    still_asleep = rows.filter(state=S.SLEEPING)
+    if still_asleep.exists():
+        why = DeploymentEvent.objects.filter(replica__in=still_asleep, at__gte=asked, to_state=S.SLEEPING,
+                                             message__startswith="wake ").order_by("-at", "-id").first()
+        reason = why.message.rstrip(".") if why else "its wake did not finish"
+        raise WakeRefused(f"{deployment.name} stays asleep: {reason}.")
     return deployment
 
 
 def remove(actor: Actor, deployment: Deployment) -> None:
     require(actor, "use", deployment)
-    if deployment.state not in (S.STOPPED, S.FAILED, S.PLANNED):
+    if deployment.state not in TERMINAL + (S.PLANNED,):
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: stop it before removing it.")
     with transaction.atomic():
+        _changed(actor)
         audit.record(actor, "deployment.remove", deployment, scope=deployment.owner, details={"name": deployment.name})
         for replica in deployment.replica_set.all():
             release(replica)
         deployment.delete()
-
-
-def release(replica: Replica) -> None:
-    """Give back what the replica held: its memory on the node and its share of the contracts."""
-    holder = holder_of(replica)
-    memory.release_reservation(holder)
-    contracts.release(holder)
 
 
 def visible_deployments(caller):

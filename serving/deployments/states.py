@@ -1,41 +1,40 @@
 """The state machine of replicas and deployments, and the one function that moves them.
 
 Every transition writes a DeploymentEvent (with the engine's log tail on failure) and publishes a
-live event for the console. A deployment's state is derived from its replicas' (the most
+live event for the console; a replica that ends (stopped or failed) gives back what it held in the
+same transaction. A deployment's state is derived from its replicas' (the most
 advanced one wins), so it never drifts from them.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from scheduler import memory
+from serving import events
 from serving.models import Deployment, DeploymentEvent, DeploymentState as S, Replica
+from serving.models.states import PRECEDENCE, TERMINAL
+from tenancy.services import contracts
 
-log = logging.getLogger(__name__)
-
+# The transitions of dgxmm's deployer (``shared/reference/dgxmm-deployer.md``), on replicas. Where
+# it restarts a stopped or failed deployment in place (stopped/failed → starting/queued), Berth makes
+# a fresh replica (planned → …), so the old one's record stays as it ended and a start job that
+# arrives after its replica was stopped can never bring that engine up. starting → stopped is not
+# here: a stop while the engine launches goes through stopping, so the row never says stopped while
+# an engine of it may still run.
 ALLOWED = {
     S.PLANNED: {S.QUEUED, S.STARTING, S.STOPPED, S.FAILED},
     S.QUEUED: {S.STARTING, S.STOPPED, S.FAILED},
-    S.STARTING: {S.LOADING, S.FAILED, S.STOPPING, S.STOPPED},
+    S.STARTING: {S.LOADING, S.READY, S.FAILED, S.STOPPING},  # ready: an engine up before it was watched
     S.LOADING: {S.READY, S.FAILED, S.STOPPING},
     S.READY: {S.SLEEPING, S.STOPPING, S.FAILED},
     S.SLEEPING: {S.READY, S.STOPPING, S.FAILED},
     S.STOPPING: {S.STOPPED, S.FAILED},  # failed: its node was lost while it stopped
-    # Ended for good: starting a deployment again makes a fresh replica, so a start job that arrives
-    # after its replica was stopped can never bring the engine up.
-    S.STOPPED: set(),
-    S.FAILED: {S.STOPPED},
+    S.STOPPED: {S.FAILED},  # a failure found after it stopped (its node lost with it): the reason is kept
+    S.FAILED: {S.STOPPED, S.FAILED},  # failed again: a later failure's reason and log tail replace the first
     S.UNKNOWN: {S.READY, S.STOPPING, S.FAILED},
 }
-# Which live replica's state speaks for the deployment when they differ, most telling first.
-PRECEDENCE = (S.READY, S.LOADING, S.STARTING, S.QUEUED, S.PLANNED, S.SLEEPING, S.UNKNOWN, S.STOPPING)
-TERMINAL = (S.STOPPED, S.FAILED)
-ACTIVE = (S.QUEUED, S.STARTING, S.LOADING, S.READY, S.SLEEPING, S.UNKNOWN)
 
 
 class IllegalTransition(Exception):
@@ -46,7 +45,7 @@ def move(replica: Replica, to: str, message: str = "", *, log_tail: str = "", **
     """Move ``replica`` to ``to`` if it is still where the caller saw it; return False if another
     worker moved it first (a conditional update: the row count is the truth)."""
     origin = replica.state
-    if to not in ALLOWED.get(origin, ()):  # same state again is not a transition either
+    if to not in ALLOWED.get(origin, ()):
         raise IllegalTransition(f"{origin} → {to} is not a transition of a replica")
     now = timezone.now()
     stamp = {S.QUEUED: "queued_at", S.LOADING: "started_at", S.READY: "ready_at", S.STOPPED: "stopped_at",
@@ -64,7 +63,9 @@ def move(replica: Replica, to: str, message: str = "", *, log_tail: str = "", **
         DeploymentEvent.objects.create(deployment=deployment, replica=replica, from_state=origin, to_state=to,
                                        message=message[:2000], log_tail=log_tail[-20000:])
         summarise(deployment, message)
-    publish(replica, origin, to, message)
+        if to in TERMINAL:  # ended and given back together: nobody sees one without the other
+            release(replica)
+    _publish(replica, origin, to, message)
     return True
 
 
@@ -82,23 +83,22 @@ def summarise(deployment: Deployment, detail: str = "") -> None:
         deployment.save(update_fields=["state", "state_detail", "updated_at"])
 
 
-def publish(replica: Replica, origin: str, to: str, message: str) -> None:
+def holder_of(replica: Replica) -> str:
+    """The name a replica's memory reservation and contract holdings are kept under."""
+    return f"replica:{replica.public_id}"
+
+
+def release(replica: Replica) -> None:
+    """Give back what the replica held: its memory on the node and its share of the contracts.
+    ``move`` does it for every replica that ends; a deployment removed gives back its replicas'."""
+    holder = holder_of(replica)
+    memory.release_reservation(holder)
+    contracts.release(holder)
+
+
+def _publish(replica: Replica, origin: str, to: str, message: str) -> None:
     """A live event for the console, and a nudge to every gateway to reload its routing table;
     both best effort, after the commit (the routing table's short TTL covers a lost message)."""
-    from serving.routing import publish_changed
-
-    transaction.on_commit(publish_changed)
-    if not settings.REDIS_URL:
-        return
-    payload = json.dumps({"deployment": str(replica.deployment.public_id), "replica": str(replica.public_id),
-                          "from": origin, "to": to, "message": message, "at": timezone.now().isoformat()})
-
-    def send():
-        try:
-            import redis
-
-            redis.Redis.from_url(settings.REDIS_URL).publish("berth:deployments", payload)
-        except Exception as exc:  # the console misses one live update; the row is already there
-            log.warning("could not publish a deployment event: %s", exc)
-
-    transaction.on_commit(send)
+    deployment_id, replica_id = str(replica.deployment.public_id), str(replica.public_id)
+    transaction.on_commit(events.routing_changed)
+    transaction.on_commit(lambda: events.replica_moved(deployment_id, replica_id, origin, to, message))

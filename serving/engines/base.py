@@ -48,8 +48,21 @@ class ProbeRequest:
     body: dict[str, Any]
 
 
+def translated(config: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The keys of ``config`` that ``names`` maps (engine key → estimator key), under their new names."""
+    return {names[key]: value for key, value in config.items() if key in names and value is not None}
+
+
 class Engine(Protocol):
     kind: str
+    # The catalog's profile settings ("context", "parallel") → this engine's configuration keys.
+    catalog_keys: dict[str, str]
+    default_slots: int  # requests one replica takes at once when the configuration does not say
+    default_context: int | None  # the context Berth starts it with unset (None: the model's own)
+
+    def estimation_config(self, config: dict[str, Any], gpus: int = 0) -> dict[str, Any]:
+        """``config`` in the memory estimator's names, with what the engine does by default on
+        ``gpus`` placed accelerators."""
 
     def validate_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The configuration with defaults applied; raises InvalidEngineConfig listing every problem."""

@@ -5,6 +5,10 @@ No binary wheel of llama-server exists and Debian has no package, but the PyPI s
 with ``GGML_NATIVE=OFF`` so the binary runs on any x86-64 of the fleet, and cache the result by
 version outside the work tree: a new machine pays the build once, every later call reuses it.
 
+The sdist is fetched by ``pip download`` run with this interpreter, so the site's own package
+index, mirror and proxy settings apply (``PIP_INDEX_URL``, ``pip.conf``, ``/etc/xdg/pip``, ...);
+whatever index serves it, the file must have the pinned SHA-256.
+
 This module is plain Python (no Django) so the build can run before the project is installed.
 """
 
@@ -18,9 +22,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +32,6 @@ from typing import Callable
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-python/"
 
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -142,15 +145,17 @@ def _build(work: Path, cache_root: Path, jobs: int, say: Progress, log, log_path
             raise BuildError(step, f"`{argv[0]}` exited {proc.returncode}", log_path)
 
     sdist = work / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-    if not _sha256_matches(sdist):
-        say("download", f"{SDIST_NAME}=={SDIST_VERSION} from PyPI")
-        try:
-            _download(sdist)
-        except OSError as exc:
-            raise BuildError("download", str(exc), log_path) from exc
-    if not _sha256_matches(sdist):
-        sdist.unlink(missing_ok=True)
-        raise BuildError("download", f"SHA-256 of the sdist is not {SDIST_SHA256}", log_path)
+    if _sha256(sdist) != SDIST_SHA256:  # a verified sdist from an interrupted build is kept
+        say("download", f"{SDIST_NAME}=={SDIST_VERSION} through pip (this site's package index)")
+        downloaded = _download(work / "download", log, log_path)
+        digest = _sha256(downloaded)
+        if digest != SDIST_SHA256:
+            downloaded.unlink(missing_ok=True)
+            log.write(f"SHA-256 of {downloaded.name}: {digest}, pinned: {SDIST_SHA256}\n")
+            log.flush()
+            raise BuildError("download", f"the SHA-256 of {downloaded.name} is {digest}, "
+                             f"not the pinned {SDIST_SHA256}", log_path)
+        downloaded.replace(sdist)
 
     source = work / "src"
     tree = source / f"llama_cpp_python-{SDIST_VERSION}" / "vendor" / "llama.cpp"
@@ -198,29 +203,48 @@ def _build(work: Path, cache_root: Path, jobs: int, say: Progress, log, log_path
     return BuiltEngine("llamacpp", version, source_id, target / "llama-server", reused=False)
 
 
-def _sha256_matches(path: Path) -> bool:
+def _sha256(path: Path) -> str | None:
+    """The file's SHA-256 in hex, or None when there is no such file."""
     if not path.is_file():
-        return False
+        return None
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest() == SDIST_SHA256
+    return digest.hexdigest()
 
 
-def _download(dest: Path) -> None:
-    """Find the pinned sdist's URL in PyPI's JSON simple index and download it."""
-    request = urllib.request.Request(SIMPLE_INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        index = json.load(response)
-    filename = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-    urls = [f["url"] for f in index.get("files", []) if f.get("filename") == filename]
-    if not urls:
-        raise OSError(f"{filename} is not on the package index")
-    partial = dest.with_suffix(".part")
-    with urllib.request.urlopen(urls[0], timeout=120) as response, open(partial, "wb") as out:
-        shutil.copyfileobj(response, out, 1 << 20)
-    partial.rename(dest)
+def _download(dest: Path, log, log_path: Path) -> Path:
+    """Have pip fetch the pinned sdist into the empty folder ``dest``; return the file it saved.
+
+    ``--no-binary`` names only our package: pip still prepares the sdist's metadata, and the build
+    requirements it installs for that may come as wheels from the same index.
+    """
+    requirement = f"{SDIST_NAME}=={SDIST_VERSION}"
+    if not sys.executable:
+        raise BuildError("download", "this Python does not know its own path (sys.executable) to run pip",
+                         log_path)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    argv = [sys.executable, "-m", "pip", "download", "--no-binary", SDIST_NAME, "--no-deps",
+            "--dest", str(dest), requirement]
+    log.write(f"$ {' '.join(argv)}\n")
+    log.flush()
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    except OSError as exc:
+        raise BuildError("download", f"could not run pip: {exc}", log_path) from exc
+    log.write(proc.stdout)
+    log.flush()
+    if proc.returncode != 0:
+        lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        last = f": {lines[-1]}" if lines else ""
+        raise BuildError("download", f"`pip download {requirement}` exited {proc.returncode}{last}", log_path)
+    saved = [path for path in dest.iterdir() if path.is_file()]
+    if len(saved) != 1:
+        names = ", ".join(sorted(path.name for path in saved)) or "nothing"
+        raise BuildError("download", f"`pip download {requirement}` saved {names}, not one sdist", log_path)
+    return saved[0]
 
 
 if __name__ == "__main__":  # lets the Makefile build before Django is installed

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from serving.engines import llamacpp_image, model_files
-from serving.engines.base import EngineCommand, LaunchSpec, ProbeRequest
+from serving.engines.base import EngineCommand, LaunchSpec, ProbeRequest, translated
+from serving.engines.installed import llama_server_path
 from serving.engines.options import Flag, Option, Problem, flag_argv, number, one_of, switch, validate
 
 CACHE_TYPES = ("f16", "q8_0", "q4_0")
@@ -90,6 +91,14 @@ def supports_flag(binary: str, flag: str) -> bool:
 
 class LlamaCpp:
     kind = "llamacpp"
+    catalog_keys = {"context": "context", "parallel": "parallel"}
+    default_slots = 1
+    default_context = 4096
+    # Configuration keys (as the engine takes them) → the memory estimator's names for the same thing.
+    estimation_keys = {"context": "ctx_size", "ctx_size": "ctx_size", "parallel": "parallel", "gpu_layers": "n_gpu_layers",
+                       "n_gpu_layers": "n_gpu_layers", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
+                       "ubatch_size": "ubatch_size", "flash_attn": "flash_attention",
+                       "flash_attention": "flash_attention"}
 
     def __init__(self, binary: str | Path | None = None, image: str | None = None):
         self._binary = str(binary) if binary else None
@@ -99,8 +108,6 @@ class LlamaCpp:
     def binary(self) -> str:
         if self._binary:
             return self._binary
-        from serving.engines.installed import llama_server_path
-
         path = llama_server_path()
         return str(path) if path else "llama-server"
 
@@ -155,6 +162,19 @@ class LlamaCpp:
         # otherwise take memory on a GPU the scheduler did not give it).
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
         return EngineCommand(argv=tuple(argv), env=env, image=self.image)
+
+    def estimation_config(self, config: dict[str, Any], gpus: int = 0) -> dict[str, Any]:
+        """Every layer offloaded by default on a GPU placement, split over several GPUs."""
+        settings = translated(config, self.estimation_keys)
+        if isinstance(settings.get("n_gpu_layers"), str):
+            settings["n_gpu_layers"] = -1 if settings["n_gpu_layers"] == "all" else int(settings["n_gpu_layers"])
+        if isinstance(settings.get("flash_attention"), str):
+            settings["flash_attention"] = settings["flash_attention"] != "off"  # "auto" may use it: estimate as if so
+        if gpus:
+            settings.setdefault("n_gpu_layers", -1)
+            if gpus > 1:
+                settings["split_gpus"] = gpus
+        return settings
 
     def health_path(self) -> str:
         return "/health"

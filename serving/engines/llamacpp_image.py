@@ -6,6 +6,11 @@ tarball and ``docker import``-ed as a base) and the portable ``llama-server`` th
 ``build_llamacpp`` caches. The Dockerfile (deploy/docker/llama-server.Dockerfile) only copies the
 binary in, so a build runs no container and needs no network.
 
+The root file system comes from the Debian mirror apt is configured with on this machine
+(/etc/apt/sources.list, sources.list.d/*.list and deb822 *.sources: the first source serving
+``bookworm`` itself), or from ``BERTH_DEBIAN_MIRROR`` (an http://, https://, ftp:// or file:///
+address; it wins over apt's). With neither, the build fails and says so: there is no built-in mirror.
+
 Plain Python (no Django), like ``build_llamacpp``, so the test command can run it before Django is
 configured: ``python -m serving.engines.llamacpp_image [--if-docker]``.
 """
@@ -30,6 +35,8 @@ IMAGE = f"{IMAGE_REPOSITORY}:{IMAGE_TAG}"
 BASE_IMAGE = "berth/debian-minbase:bookworm"
 DEBIAN_SUITE = "bookworm"
 DEBOOTSTRAP_PACKAGES = "libgomp1,libssl3,ca-certificates"
+APT_DIR = Path("/etc/apt")
+MIRROR_SETTING = "BERTH_DEBIAN_MIRROR"
 DOCKERFILE = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "llama-server.Dockerfile"
 
 Progress = Callable[[str, str], None]
@@ -46,22 +53,75 @@ def rootfs_tarball(cache_root: Path) -> Path:
     return cache_root.parent / "images" / f"debian-{DEBIAN_SUITE}-minbase.tar"
 
 
-def debian_mirror() -> str:
-    """The mirror apt already uses on this machine (the only one it may reach), else Debian's."""
-    override = os.environ.get("BERTH_DEBIAN_MIRROR")
-    if override:
-        return override
-    for source in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
+def debian_mirror(apt_dir: Path = APT_DIR) -> str:
+    """The Debian mirror debootstrap fetches ``DEBIAN_SUITE`` from.
+
+    ``BERTH_DEBIAN_MIRROR`` when set; else the first apt source (``apt_dir``/sources.list, then
+    sources.list.d/*.list and *.sources in apt's order) that serves the suite itself. There is no
+    built-in address: a machine may reach only its own mirror, so guessing one would fail later
+    and further from the cause.
+    """
+    explicit = os.environ.get(MIRROR_SETTING, "").strip()
+    if explicit:
+        if not _debootstrap_can_fetch(explicit):
+            raise ImageBuildError("rootfs", f"{MIRROR_SETTING}={explicit!r} is not an http://, https://, "
+                                            f"ftp:// or file:/// address of a Debian mirror")
+        return explicit
+    files = [apt_dir / "sources.list"]
+    parts = apt_dir / "sources.list.d"
+    if parts.is_dir():
+        files += sorted(path for path in parts.iterdir() if path.suffix in (".list", ".sources"))
+    for path in files:
         try:
-            text = source.read_text()
-        except OSError:
+            text = path.read_text()
+        except (FileNotFoundError, IsADirectoryError):
             continue
-        for block in text.split("\n\n"):
-            if re.search(rf"^Suites:.*\b{DEBIAN_SUITE}\b", block, re.M):
-                match = re.search(r"^URIs:\s*(\S+)", block, re.M)
-                if match and "security" not in match.group(1):
-                    return match.group(1)
-    return "http://deb.debian.org/debian"
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ImageBuildError("rootfs", f"cannot read the apt source {path}: {exc}") from exc
+        parse = _deb822_sources if path.suffix == ".sources" else _one_line_sources
+        for types, uris, suites in parse(text):
+            if "deb" in types and DEBIAN_SUITE in suites:
+                for uri in uris:
+                    if _debootstrap_can_fetch(uri):
+                        return uri
+    raise ImageBuildError("rootfs", f"no Debian mirror for {DEBIAN_SUITE}: no apt source under {apt_dir} "
+                                    f"(sources.list, sources.list.d/*.list, *.sources) serves it; set "
+                                    f"{MIRROR_SETTING} to the mirror's address (http://HOST/debian)")
+
+
+def _debootstrap_can_fetch(uri: str) -> bool:
+    # apt's transports debootstrap lacks (mirror+file:, tor+http:, cdrom:) do not count.
+    return re.match(r"(https?|ftp)://[^/\s]+|file:///", uri) is not None
+
+
+def _one_line_sources(text: str):
+    """``deb [options] URI SUITE [COMPONENT...]`` lines, as (types, uris, suites)."""
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        line = re.sub(r"^(\s*\S+)\s+\[[^\]]*\]", r"\1 ", line)  # deb [arch=amd64 signed-by=...] URI
+        words = line.split()
+        if len(words) >= 3:
+            yield {words[0]}, [words[1]], {words[2]}
+
+
+def _deb822_sources(text: str):
+    """The stanzas of a deb822 ``.sources`` file, as (types, uris, suites); ``Enabled: no`` skipped."""
+    for stanza in re.split(r"\n[ \t]*\n", text):
+        fields: dict[str, str] = {}
+        name = None
+        for line in stanza.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            if line[0] in " \t" and name:  # a folded continuation of the field above
+                fields[name] += " " + line.strip()
+                continue
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            fields[name] = value.strip()
+        if fields.get("enabled", "yes").lower() == "no":
+            continue
+        yield (set(fields.get("types", "").split()), fields.get("uris", "").split(),
+               set(fields.get("suites", "").split()))
 
 
 def image_present(client, name: str) -> bool:
@@ -120,6 +180,7 @@ def _rootfs(cache_root: Path, say: Progress) -> Path:
     if tarball.is_file():
         say("rootfs", f"reusing {tarball}")
         return tarball
+    mirror = debian_mirror()  # before installing anything: a machine without one fails at once
     debootstrap = shutil.which("debootstrap") or ("/usr/sbin/debootstrap" if Path("/usr/sbin/debootstrap").exists() else None)
     if not debootstrap:
         if os.geteuid() != 0:
@@ -133,7 +194,6 @@ def _rootfs(cache_root: Path, say: Progress) -> Path:
                 raise ImageBuildError("rootfs", f"`{' '.join(argv)}` exited {proc.returncode}: {proc.stderr[-500:]}")
         debootstrap = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
     tarball.parent.mkdir(parents=True, exist_ok=True)
-    mirror = debian_mirror()
     with tempfile.TemporaryDirectory(prefix="berth-rootfs-", dir=tarball.parent) as work:
         rootfs = Path(work) / "rootfs"
         say("rootfs", f"debootstrap --variant=minbase {DEBIAN_SUITE} from {mirror} (about half a minute)")

@@ -19,11 +19,16 @@ from typing import Any, Callable
 import httpx
 
 from serving.engines import model_files
-from serving.engines.base import EngineCommand, LaunchSpec, ProbeRequest
+from serving.engines.base import EngineCommand, LaunchSpec, ProbeRequest, translated
 from serving.engines.llamacpp import probe_request
 from serving.engines.options import Flag, Option, Problem, flag_argv, number, one_of, switch, validate
-from serving.errors import (EngineRequestFailed, InvalidEngineConfig, MemoryFractionRefused, SleepNotSupported,
-                            WakeRefused)
+from serving.errors import (
+    EngineRequestFailed,
+    InvalidEngineConfig,
+    MemoryFractionRefused,
+    SleepNotSupported,
+    WakeRefused,
+)
 
 IMAGE_REPOSITORY = "vllm/vllm-openai"
 DEFAULT_IMAGE_TAG = "v0.11.0"
@@ -88,6 +93,13 @@ def gpu_memory_fraction(reservation_bytes: int | None, total_bytes: int | None) 
 
 class VLLM:
     kind = "vllm"
+    catalog_keys = {"context": "max_model_len", "parallel": "max_num_seqs"}
+    default_slots = 256
+    default_context = None  # the model's own length
+    # Configuration keys (as the engine takes them) → the memory estimator's names for the same thing.
+    estimation_keys = {"max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+                       "kv_cache_dtype": "kv_cache_dtype", "tensor_parallel_size": "tensor_parallel_size",
+                       "enforce_eager": "enforce_eager", "max_num_batched_tokens": "max_num_batched_tokens"}
 
     def __init__(self, image_tag: str | None = None):
         self.image_tag = image_tag
@@ -144,6 +156,13 @@ class VLLM:
         if config["enable_sleep_mode"]:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM serves /sleep, /wake_up and /is_sleeping only then
         return EngineCommand(argv=tuple(argv), env=env, image=self.image(config))
+
+    def estimation_config(self, config: dict[str, Any], gpus: int = 0) -> dict[str, Any]:
+        """Sharded over its GPUs by default (tensor parallel)."""
+        settings = translated(config, self.estimation_keys)
+        if gpus > 1:
+            settings.setdefault("tensor_parallel_size", gpus)
+        return settings
 
     def health_path(self) -> str:
         return "/health"

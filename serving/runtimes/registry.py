@@ -9,6 +9,8 @@ RUNTIMES = ("process", "docker")
 
 
 def runtime_for(kind: str) -> Runtime:
+    # Each runtime is imported when asked for: the Docker one loads the Docker SDK, which a node that
+    # runs engines as processes does without.
     if kind == "process":
         from serving.runtimes.process import ProcessRuntime
 

@@ -7,71 +7,20 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from django.db.models import Q
-from django.http import StreamingHttpResponse
 from django.shortcuts import get_object_or_404
-from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
-from rest_framework import mixins, renderers, serializers, status, viewsets
+from rest_framework import mixins, renderers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from berth.errors import InvalidInput
-from tenancy import access, filtersets
+from tenancy import access, exports, filtersets
 from tenancy.api import serializers as s
-from tenancy.audit import Actor
+from tenancy.api.base import TenancyViewSet
 from tenancy.errors import ScopeNotFound
 from tenancy.models import ApprovalRequest, AuditEvent, Contract, Credential, Membership, Scope, ServiceClient
 from tenancy.services import approvals, clients, contracts, members, tree
-
-
-UUID_PATTERN = "[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}"
-
-
-class TenancyViewSet(viewsets.GenericViewSet):
-    """Base of every tenancy viewset: lookups by public id, filters from the app's FilterSets, and
-    the one place where querysets are narrowed to what the caller may see (so a forgotten filter
-    cannot happen). An object outside that reach is a 404 — never a 403 that confirms it exists."""
-
-    lookup_field = "public_id"
-    # Only a UUID routes to an object, so anything else is a 404 from the URL itself and no lookup ever
-    # hands the database a value it cannot compare (the routers here match regular expressions).
-    lookup_value_regex = UUID_PATTERN
-    filter_backends = [DjangoFilterBackend]
-    # The path from a row to its Scope, as ``access.visible_to`` takes it ("" for Scopes themselves).
-    scope_field = "scope"
-
-    def get_queryset(self):
-        queryset = super().get_queryset()
-        if getattr(self, "swagger_fake_view", False):  # schema generation: no caller
-            return queryset.none()
-        return self.narrow(queryset)
-
-    def narrow(self, queryset):
-        return access.visible_to(self.request.user, queryset, self.scope_field)
-
-    @property
-    def actor(self) -> Actor:
-        return Actor.from_request(self.request)
-
-    def parsed(self, serializer_class, **kwargs) -> dict:
-        serializer = serializer_class(data=self.request.data, context=self.get_serializer_context(), **kwargs)
-        # A field this endpoint does not take is refused, not ignored: a caller who sends ``project``
-        # to an update must learn that it did not move the client.
-        unknown = set(self.request.data) - set(serializer.fields) if hasattr(self.request.data, "keys") else set()
-        if unknown:
-            raise serializers.ValidationError({name: ["This field is not accepted here."] for name in sorted(unknown)})
-        serializer.is_valid(raise_exception=True)
-        return serializer.validated_data
-
-    def visible_scopes(self):
-        return access.visible_to(self.request.user, Scope.objects.all(), "")
-
-    def render(self, instance, serializer_class=None, status_code=status.HTTP_200_OK, **context):
-        serializer_class = serializer_class or self.get_serializer_class()
-        data = serializer_class(instance, context=self.get_serializer_context() | context).data
-        return Response(data, status=status_code)
 
 
 # --- the tree ---------------------------------------------------------------------------------------
@@ -372,7 +321,7 @@ class ApprovalRequestViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, T
 # --- audit ------------------------------------------------------------------------------------------
 
 class JSONLinesRenderer(renderers.BaseRenderer):
-    media_type = "application/x-ndjson"
+    media_type = exports.MEDIA_TYPE
     format = "jsonl"
     charset = "utf-8"
 
@@ -391,25 +340,13 @@ class AuditEventViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tenanc
 
     def narrow(self, queryset):
         # Events keep their scope's path (the scope may be gone since), so narrow by that path.
-        if access.is_superuser(self.request.user):
-            return queryset
-        condition = Q()
-        for path in access.roles(self.request.user):
-            condition |= filtersets.subtree(path, "scope_path")
-        return queryset.filter(condition) if condition else queryset.none()
+        return access.visible_by_path(self.request.user, queryset, "scope_path")
 
     @extend_schema(filters=True, responses={(200, "application/x-ndjson"): OpenApiResponse(
         response=OpenApiTypes.STR, description="One audit event per line, as the list shows them, oldest first.")})
     @action(detail=False, methods=["get"], renderer_classes=[JSONLinesRenderer, renderers.JSONRenderer],
             pagination_class=None)
     def export(self, request):
-        """Every event the filters select, as JSON lines (oldest first), streamed."""
-        queryset = self.filter_queryset(self.get_queryset()).order_by("at", "id")
-
-        def lines():
-            for event in queryset.iterator(chunk_size=500):
-                yield json.dumps(s.AuditEventSerializer(event).data, default=str, ensure_ascii=False) + "\n"
-
-        response = StreamingHttpResponse(lines(), content_type="application/x-ndjson")
-        response["Content-Disposition"] = 'attachment; filename="berth-audit.jsonl"'
-        return response
+        """Every event the filters select, as JSON lines (oldest first), streamed: the console's
+        download writes the same file."""
+        return exports.audit_export(self.filter_queryset(self.get_queryset()))

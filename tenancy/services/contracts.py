@@ -10,7 +10,7 @@ import dataclasses
 from decimal import Decimal, InvalidOperation
 
 from django.db import transaction
-from django.db.models import Q, Sum
+from django.db.models import Sum
 from django.db.models.functions import Length
 
 from tenancy import access, audit
@@ -222,13 +222,9 @@ def visible_chain(caller, scope: Scope) -> list[Contract]:
     return [contract for contract in limit_chain(scope) if access.can(caller, "view", contract.scope)]
 
 
-def _subtree(path: str, field: str = "scope_path") -> Q:
-    return Q(**{field: path}) | Q(**{f"{field}__startswith": path + "/"})
-
-
 def holdings(scope: Scope) -> Holdings:
     """What ``scope`` and everything below it hold now (one query)."""
-    totals = Reservation.objects.filter(_subtree(scope.path)).aggregate(**{stem: Sum(stem) for stem in CAPACITY})
+    totals = Reservation.objects.filter(access.subtree(scope.path, "scope_path")).aggregate(**{stem: Sum(stem) for stem in CAPACITY})
     return Holdings(**{stem: totals[stem] or Decimal(0) for stem in CAPACITY})
 
 

@@ -23,7 +23,7 @@ def build_world(personas) -> types.SimpleNamespace:
     from scheduler.models import (Accelerator, CalibrationRecord, HeldWeight, ModelDirectory, PlacementDecision,
                                   RecoveryState)
     from scheduler.services import NodeReport, register_node
-    from serving.catalog.models import FetchJob, ModelEntry, ModelFile
+    from serving.models import FetchJob, ModelEntry, ModelFile
     from serving.models import Deployment, DeploymentEvent
     from tenancy.models import AuditEvent, Membership
     from tenancy.services import approvals, clients, contracts, tree

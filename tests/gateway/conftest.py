@@ -16,7 +16,10 @@ import httpx
 import pytest
 from django.db import connection
 
-from serving import routing
+from berth.web import uvicorn_command
+
+from serving import events
+from serving.control import routing
 from serving.keys import replica_key
 from tests.assets.database import database_environ
 from tests.assets.llama_server import LlamaServer, free_port
@@ -42,9 +45,7 @@ class GatewayProcess:
         env.update(environ or {})
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "berth.asgi:application", "--host", "127.0.0.1", "--port",
-             str(self.port), "--loop", "uvloop", "--http", "httptools", "--lifespan", "on", "--no-access-log",
-             "--timeout-graceful-shutdown", "5"],
+            uvicorn_command("127.0.0.1", self.port, "--loop", "uvloop", "--http", "httptools", "--no-access-log"),
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
         def up():
@@ -152,7 +153,7 @@ def deploy(node):
             replica = Replica.objects.create(
                 public_id=replica_id or engine.replica_id, deployment=deployment, node=node,
                 port=port or engine.server.port, state=replica_state)
-        routing.publish_changed()  # what Serving does after every routing change
+        events.routing_changed()  # what Serving does after every routing change
         return types.SimpleNamespace(deployment=deployment, replica=replica)
 
     return make

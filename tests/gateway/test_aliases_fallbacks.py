@@ -2,14 +2,14 @@
 
 import pytest
 
-from serving.catalog.models import ModelEntry
-from serving.routing import publish_changed
+from serving.models import ModelEntry
+from serving import events
 from tests.gateway.usage import record_of
 
 
 def entry(name, **fields):
     made = ModelEntry.objects.create(name=name, task="completion", source_kind="local", format="gguf", **fields)
-    publish_changed()
+    events.routing_changed()
     return made
 
 

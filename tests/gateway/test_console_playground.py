@@ -58,7 +58,7 @@ def test_charts_are_inline_svg_from_one_query_each_and_follow_the_scope(client, 
 
 @pytest.mark.django_db
 def test_console_split_form_saves_and_refuses_with_a_message(client, tree, django_user_model):
-    from serving.catalog.models import ModelEntry
+    from serving.models import ModelEntry
 
     admin = django_user_model.objects.create_user("ari", "ari@example.org", "a-long-test-password")
     Membership.objects.create(user=admin, scope=tree.project, role=Role.ADMIN)

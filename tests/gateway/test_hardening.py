@@ -17,8 +17,9 @@ import pytest
 
 from gateway import auth as gateway_auth
 from gateway.models import ModelSplit
-from serving import routing
-from serving.catalog.models import ModelEntry
+from serving import events
+from serving.control import routing
+from serving.models import ModelEntry
 from tenancy.errors import ApiKeyRevoked
 from tenancy.services import clients
 from tests.assets.llama_server import free_port
@@ -131,7 +132,7 @@ def test_without_a_cap_the_context_bounds_the_output(gateway, unreachable, make_
     made = unreachable("bounded")
     made.deployment.config = {"context": 2048}
     made.deployment.save(update_fields=["config"])
-    routing.publish_changed()
+    events.routing_changed()
     key = make_key().key
     error = error_of(post(gateway, "/v1/completions", key, model="bounded", prompt="a", max_tokens=value), 400)
     assert error["code"] == "max_tokens_above_context" and error["param"] == "max_tokens"
@@ -246,7 +247,7 @@ def test_a_huge_model_name_is_echoed_as_a_short_prefix(gateway, make_key, tree):
     refused = post(gateway, "/v1/completions", narrow, model=huge, prompt="a")
     assert error_of(refused, 403)["details"]["model"] == "m" * 100 + "…" and len(refused.content) < 1000
     ModelSplit.objects.create(model_name=huge[:200], scope=tree.project, variants=[], environments=["staging"])
-    routing.publish_changed()
+    events.routing_changed()
     # The change message reaches the gateway a moment later (a table read just now is kept): ask until
     # it answers with the split's refusal.
     def refused_by_the_split():

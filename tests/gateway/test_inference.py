@@ -45,7 +45,7 @@ def test_chat_streams_and_usage_is_known_without_asking(gateway, chat_engine, de
 
 
 def test_served_requests_measure_the_speed_of_the_profile_they_ran_on(gateway, chat_engine, deploy, make_key):
-    from serving.catalog.models import ProfileSpeed
+    from serving.models import ProfileSpeed
     from serving.models import Deployment
 
     made = deploy("smollm2", chat_engine)

@@ -5,15 +5,16 @@ whatever their keys' model rules say. A model without an owner is shared."""
 import httpx
 import pytest
 
-from serving.catalog.models import ModelEntry
-from serving.routing import load_table, publish_changed
+from serving.models import ModelEntry
+from serving import events
+from serving.control.routing import load_table
 from tenancy.services.tree import create_scope
 
 
 def own_entry(name, owner, **fields):
     made = ModelEntry.objects.create(name=name, task="completion", source_kind="local", format="gguf", owner=owner,
                                      **fields)
-    publish_changed()
+    events.routing_changed()
     return made
 
 

@@ -10,11 +10,14 @@ import pytest
 from django.apps import apps
 from django.core import serializers
 
-from serving import routing
+from gateway.models import UsageRecord
+from serving import events
+from serving.control import routing
 from serving.keys import replica_key
 from serving.models import Deployment, Replica
 from tests.assets.llama_server import LlamaServer, free_port
 from tests.assets.waiting import wait_until
+from tests.gateway.conftest import GatewayProcess
 from tests.gateway.usage import record_of
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
@@ -71,7 +74,7 @@ def test_a_replica_killed_mid_stream_gives_a_clean_error(gateway, llama_server_b
 def test_a_connection_failure_is_retried_on_another_replica(gateway, tiny_engine, deploy, make_key, node):
     made = deploy("tiny", tiny_engine, task="completion")
     Replica.objects.create(deployment=made.deployment, node=node, port=free_port(), state="ready")  # nobody listens
-    routing.publish_changed()
+    events.routing_changed()
     key = make_key().key
     statuses = [httpx.post(f"{gateway.base_url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
                            timeout=60, json={"model": "tiny", "prompt": "a", "max_tokens": 1}).status_code
@@ -102,7 +105,7 @@ def test_a_request_waits_for_a_loading_model_and_is_served_when_it_is_ready(gate
         wait_until(lambda: waiting(gateway, "cold") == 1, 30, what="the request waiting in the admission queue")
         Replica.objects.filter(pk=made.replica.pk).update(state="ready")
         Deployment.objects.filter(pk=made.deployment.pk).update(state="ready")
-        routing.publish_changed()
+        events.routing_changed()
         waiter.join(60)
         assert "error" not in outcome, outcome.get("error")
         assert outcome["answer"].usage.completion_tokens == 3
@@ -134,7 +137,7 @@ def test_admission_times_out_with_retry_after_and_a_full_queue_is_429(gateway_b,
 def test_a_model_that_will_not_come_up_is_refused_at_once_without_retry_after(gateway, deploy, make_key):
     made = deploy("parked", state="failed")
     Deployment.objects.filter(pk=made.deployment.pk).update(state_detail="out of memory three times")
-    routing.publish_changed()
+    events.routing_changed()
     started = time.monotonic()
     answer = httpx.post(f"{gateway.base_url}/v1/completions", headers={"Authorization": f"Bearer {make_key().key}"},
                         timeout=30, json={"model": "parked", "prompt": "a"})
@@ -162,3 +165,20 @@ def test_no_request_or_response_content_lands_in_any_table_or_log(gateway, chat_
         if len(said) > 12:
             assert said not in dump, model
     assert "content-check" in gateway.log() and marker not in gateway.log()
+
+
+def test_a_gateway_told_to_stop_writes_the_usage_it_still_buffers(tmp_path, chat_engine, deploy, make_key):
+    """The lifespan production runs with (berth/web.py): on SIGTERM the batch not yet due is written."""
+    stopping = GatewayProcess(tmp_path / "stopping.log", usage_flush_ms=600_000)  # no timed flush in this test
+    try:
+        deploy("smollm2", chat_engine)
+        response = httpx.post(f"{stopping.base_url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {make_key().key}", "X-Request-Id": "buffered-at-stop"},
+                              json={"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert response.status_code == 200
+        assert not UsageRecord.objects.filter(request_id="buffered-at-stop").exists()  # still in the batch
+    finally:
+        stopping.stop()
+    assert "Application shutdown complete" in stopping.log(), stopping.log()[-2000:]
+    record = UsageRecord.objects.get(request_id="buffered-at-stop")
+    assert record.status == 200 and record.model_served == "smollm2"

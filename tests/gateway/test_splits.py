@@ -6,7 +6,7 @@ import pytest
 
 from gateway.models import ModelSplit
 from gateway.splits import Split
-from serving.catalog.models import ModelEntry
+from serving.models import ModelEntry
 from tenancy.models import Membership, Role
 from tests.gateway.usage import record_of
 

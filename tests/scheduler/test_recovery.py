@@ -76,10 +76,11 @@ def test_out_of_memory_degrades_then_falls_back_then_quarantines():
     row = fail("oom", fallback=True)
     assert not row.parked
     second = step(llm(fallbacks=("llama-1b",)))
-    assert (second.action, second.fallback) == (recovery.FALLBACK, True)
-    assert step(llm()).action == recovery.QUARANTINE  # no fallback configured: quarantined at once
+    assert (second.action, second.fallback, second.level) == (recovery.FALLBACK, True, 1)  # the fallback, degraded
+    minimal = step(llm())  # no fallback configured: the last rung, the minimal footprint, instead
+    assert (minimal.action, minimal.level, minimal.parked) == (recovery.MINIMAL, 2, False)
     row = fail("oom", fallback=True)
-    assert row.parked and row.consecutive == 3 and row.level == 2 and row.kind == "oom"
+    assert row.parked and row.consecutive == 3 and row.level == 1 and row.kind == "oom"
 
 
 def test_a_hang_gets_one_retry_then_degrades():
@@ -111,10 +112,13 @@ def test_the_policy_parks_what_the_table_says_and_the_plan_records_why():
     assert not any(d.model == "healthy" and d.verdict == "parked" for d in plan.decisions)
 
 
-def test_with_no_fallback_the_step_that_would_fall_back_parks_the_row_and_the_plan_agrees():
+def test_with_no_fallback_the_minimal_footprint_is_tried_once_then_the_row_parks_and_the_plan_agrees():
     fail("oom", error="out of memory while loading")
     row = fail("oom", error="out of memory while loading")  # a fallback is next, but none is configured
-    assert row.parked and row.consecutive == 2 and row.parked_at is not None
+    assert not row.parked and row.level == recovery.MINIMAL_FOOTPRINT
+    assert (step(llm()).action, step(llm()).level) == (recovery.MINIMAL, 2)
+    row = fail("oom", error="out of memory while loading")  # the minimal footprint failed too
+    assert row.parked and row.consecutive == 3 and row.parked_at is not None
     snap = Snapshot(now=time.time(), models=(llm(),), failures=recovery_service.failure_states())
     plan = schedule(snap)
     record_plan(snap, plan)
@@ -129,9 +133,8 @@ def test_with_no_fallback_the_step_that_would_fall_back_parks_the_row_and_the_pl
 def test_a_fallback_that_is_not_in_the_catalog_is_no_fallback():
     fail("oom", times=2, fallback=True)  # the agent found the fallback then; it has since been removed
     snap = Snapshot(now=time.time(), models=(llm(fallbacks=("gone",)),), failures=recovery_service.failure_states())
-    plan = schedule(snap)
-    assert not plan.launches
-    assert [(d.model, d.verdict) for d in plan.decisions] == [("llama-8b", "parked")]
+    answer = recovery.next_step(snap.models[0], snap.failures["llama-8b"], known={"llama-8b"})
+    assert (answer.action, answer.level, answer.fallback) == (recovery.MINIMAL, 2, False)  # no fallback's rung
     small = DesiredModel("llama-1b", (Profile("default", "llamacpp", 0, 1 * GIB, cpu_cores=1),), fingerprint="fp-s")
     node = NodeInfo("cpu-1", engines=frozenset({"llamacpp"}), cpu_count=8, memory_bytes=32 * GIB)
     later = time.time() + 3600  # past the backoff

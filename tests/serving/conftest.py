@@ -99,7 +99,7 @@ def model_root(tmp_path, settings):
 def node(db):
     """This machine, under the name the agent will use; its heartbeats keep the figures fresh."""
     from scheduler.services import register_node
-    from serving.discovery import local_node_report
+    from serving.node.discovery import local_node_report
 
     return register_node(dataclasses.replace(local_node_report(), name=NODE))
 

@@ -13,8 +13,8 @@ import pytest
 from django.utils import timezone
 
 from scheduler.models import RecoveryState
-from serving import agent as node_agent
-from serving.catalog.models import ModelEntry
+from serving.node import failures, heartbeat, lifecycle
+from serving.models import ModelEntry
 from serving.deployments import service
 from serving.models import Deployment, Replica
 from serving.runtimes.base import Exit
@@ -117,7 +117,7 @@ def _replica(node, model_root, tiny_model, name: str, state: str, **fields) -> R
 def test_an_exit_with_out_of_memory_evidence_while_loading_is_an_oom(node, model_root, tiny_model):
     catalog_entry("big")
     replica = _replica(node, model_root, tiny_model, "big", "loading")
-    node_agent.fail(replica, "engine out of memory (Docker OOMKilled) while loading",
+    failures.fail(replica, "engine out of memory (Docker OOMKilled) while loading",
                     exit=Exit(code=137, signal=9, oom_evidence="Docker OOMKilled"), launch_failure="crash")
     row = recovery_of("big")
     assert (row.kind, row.consecutive, row.level) == ("oom", 1, 1)  # the ladder degrades it next
@@ -127,7 +127,7 @@ def test_an_exit_with_out_of_memory_evidence_while_loading_is_an_oom(node, model
 def test_a_sigkill_without_evidence_while_loading_stays_a_crash(node, model_root, tiny_model):
     catalog_entry("killed")
     replica = _replica(node, model_root, tiny_model, "killed", "loading")
-    node_agent.fail(replica, "engine killed by SIGKILL while loading", exit=Exit(code=None, signal=9),
+    failures.fail(replica, "engine killed by SIGKILL while loading", exit=Exit(code=None, signal=9),
                     launch_failure="crash")
     assert recovery_of("killed").kind == "crash"
 
@@ -137,7 +137,7 @@ def test_no_room_at_its_turn_is_not_the_models_failure(node, model_root, tiny_mo
     catalog_entry("crowded")
     replica = _replica(node, model_root, tiny_model, "crowded", "starting",
                        memory_reserved_bytes=(node.memory_total_bytes or 2**40) * 4)
-    node_agent._start(replica)
+    lifecycle._start(replica)
     replica.refresh_from_db()
     assert replica.state == "failed" and "no longer fits at its turn" in replica.exit_reason
     assert recovery_of("crowded") is None
@@ -149,7 +149,7 @@ def test_the_queue_timeout_is_not_the_models_failure(node, model_root, tiny_mode
     replica = _replica(node, model_root, tiny_model, "waited", "queued")
     Replica.objects.filter(pk=replica.pk).update(
         queued_at=timezone.now() - timedelta(seconds=settings.SERVING_QUEUE_TIMEOUT_SECONDS + 60))
-    node_agent.check_liveness(node)
+    heartbeat.check_liveness(node)
     replica.refresh_from_db()
     assert replica.state == "failed" and "for a start-up slot" in replica.exit_reason
     assert recovery_of("waited") is None

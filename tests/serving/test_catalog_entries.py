@@ -8,7 +8,7 @@ import pytest
 from berth.errors import InvalidInput
 from serving.catalog import entries, validation
 from serving.catalog.errors import FileInUse, InvalidModelEntry
-from serving.catalog.models import ModelEntry, ModelFile
+from serving.models import ModelEntry, ModelFile
 from tenancy.audit import Actor
 from tests.assets.hub_server import mirror_root  # noqa: F401  (fixture)
 from tests.assets.smollm2 import FILENAME as SMOLLM2_FILE
@@ -106,7 +106,7 @@ def test_the_card_says_which_nodes_hold_each_file(db, client, admin_user, tmp_pa
 
     from scheduler.services import register_node
     from serving.catalog.entries import import_local
-    from serving.discovery import local_node_report
+    from serving.node.discovery import local_node_report
     from tenancy.audit import Actor
 
     root = tmp_path / "models"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from serving.catalog import entries, validation
-from serving.catalog.models import ModelEntry
+from serving.models import ModelEntry
 from tenancy.audit import Actor
 from tenancy.models import AuditEvent, Membership, Role
 from tests.assets.hub_server import mirror_root  # noqa: F401  (fixture)

@@ -13,10 +13,13 @@ from scheduler.estimation.reading import read_model
 from scheduler.models import Accelerator
 from scheduler.nvml import discover_gpus
 from scheduler.services import EngineReport, NodeReport, register_node
+from serving import queues
 from serving.catalog import profiles, room, servability
-from serving.catalog.entries import deploy_request, import_local
-from serving.catalog.models import ModelEntry
-from serving.deployments import placement, service
+from serving.catalog.entries import import_local
+from serving.control.placement import deploy_request
+from serving.models import ModelEntry
+from serving.control import placement
+from serving.deployments import service
 from serving.engines.vllm import VLLM
 from serving.models import Deployment
 from tests.assets.hf_models import LLAMA_CONFIG, llama_like, write_hf_model
@@ -80,7 +83,7 @@ def test_a_vllm_entry_is_estimated_and_deploys_with_vllms_settings(vllm_entry, g
 def test_the_placement_loop_places_a_vllm_model_on_a_gpu(vllm_entry, gpu_node, monkeypatch,
                                                          django_capture_on_commit_callbacks):
     sent = []
-    monkeypatch.setattr(service, "dispatch", lambda operation, replica: sent.append(operation))
+    monkeypatch.setattr(queues, "to_node", lambda operation, replica: sent.append(operation))
     ModelEntry.objects.filter(pk=vllm_entry.pk).update(scaling_min=1, scaling_max=1)
     with django_capture_on_commit_callbacks(execute=True):
         assert placement.reconcile()["launched"] == ["tiny-vllm"]

@@ -43,7 +43,7 @@ def two_fit(settings, per_replica):
 
 
 def entry_of(user, held):
-    from serving.catalog.views import held_entries
+    from serving.catalog.queries import held_entries
 
     return next(e for e in held_entries(user) if e.pk == held.pk)
 
@@ -137,7 +137,7 @@ def test_parked_and_unplaceable_come_from_the_placement_evidence(admin_user, hel
                                      inputs_digest="d", fingerprint="f")
     PlacementDecision.objects.create(model="tiny-other", verdict="unschedulable", detail="fits nowhere",
                                      inputs_digest="d", fingerprint="f")
-    from serving.catalog.views import held_entries
+    from serving.catalog.queries import held_entries
 
     states = {e.name: e.placement for e in held_entries(admin_user)}
     assert states["tiny-held"]["state"] == "parked" and "5 times" in states["tiny-held"]["reason"]

@@ -12,11 +12,13 @@ import pytest
 from django.core.cache import cache
 
 from scheduler.services import register_node
+from serving import queues
 from serving.catalog import room, speed
 from serving.catalog.entries import import_local
-from serving.catalog.models import ModelEntry, ProfileSpeed
-from serving.deployments import placement, service
-from serving.discovery import local_node_report
+from serving.models import ModelEntry, ProfileSpeed
+from serving.control import placement
+from serving.deployments import service
+from serving.node.discovery import local_node_report
 from serving.models import Deployment, Replica
 from tenancy.audit import Actor
 
@@ -31,7 +33,7 @@ def catalog(tmp_path, settings, tiny_model, monkeypatch):
     root.mkdir()
     settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
     cache.clear()
-    monkeypatch.setattr(service, "dispatch", lambda operation, replica: None)
+    monkeypatch.setattr(queues, "to_node", lambda operation, replica: None)
     node = register_node(dataclasses.replace(local_node_report(), name="speed-node"))
     entry = import_local(ACTOR, shutil.copy(tiny_model, tmp_path / "s.gguf"), name="quick")
     first = {**entry.profiles[0], "context": 256, "priority": 50}

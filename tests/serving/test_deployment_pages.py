@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from scheduler.services import NodeReport, register_node
+from serving import queues
 from serving.deployments import service
 from serving.models import Deployment, Replica
 from tenancy.audit import Actor
@@ -32,7 +33,7 @@ def model(tmp_path, settings, tiny_model):
 def no_agent(monkeypatch):
     """Nothing consumes the node's queue in these tests: record what would be dispatched."""
     sent = []
-    monkeypatch.setattr(service, "dispatch", lambda operation, replica: sent.append((operation, replica.public_id)))
+    monkeypatch.setattr(queues, "to_node", lambda operation, replica: sent.append((operation, replica.public_id)))
     return sent
 
 
@@ -134,10 +135,8 @@ def test_stop_of_a_queued_deployment_cancels_it_and_releases_its_memory(personas
 
 def test_switch_through_the_api_records_an_operation_for_the_worker(client, personas, node, model, no_agent,
                                                                    django_capture_on_commit_callbacks, monkeypatch):
-    from serving import tasks
-
     queued = []
-    monkeypatch.setattr(tasks.run_operation, "delay", lambda operation_id: queued.append(operation_id))
+    monkeypatch.setattr(queues, "to_control", lambda task, operation_id: queued.append(operation_id))
     deployment = service.deploy(Actor(user=personas.max), service.DeployRequest(
         name="tiny", model_path=str(model), node=node, config={"context": 256}, owner=personas.acme.project))
     Deployment.objects.filter(pk=deployment.pk).update(state="ready")
@@ -160,7 +159,7 @@ def test_deployment_page_reconfigures_and_lists_operations(client, personas, nod
     from serving import tasks
     from serving.models import Operation
 
-    monkeypatch.setattr(tasks.run_operation, "delay", lambda operation_id: None)
+    monkeypatch.setattr(queues, "to_control", lambda task, operation_id: None)
     deployment = service.deploy(Actor(user=personas.max), service.DeployRequest(
         name="tiny", model_path=str(model), node=node, config={"context": 256}, owner=personas.acme.project))
     Deployment.objects.filter(pk=deployment.pk).update(state="ready")
@@ -175,13 +174,102 @@ def test_deployment_page_reconfigures_and_lists_operations(client, personas, nod
     assert "Reconfigure" in page and "Running" in page
 
 
+def test_switch_and_reconfigure_refuse_a_b_that_does_not_fit_in_as_place_and_change_nothing(
+        client, personas, model, no_agent, monkeypatch, django_capture_on_commit_callbacks):
+    from scheduler import memory
+    from scheduler.models import MemoryReservation
+    from serving.models import Operation
+    from tenancy.models import AuditEvent
+
+    queued = []
+    monkeypatch.setattr(queues, "to_control", lambda task, operation_id: queued.append(operation_id))
+    # Nothing measured outside Berth: the fit is reservations and the margin only.
+    roomy = register_node(NodeReport(name="roomy", address="127.0.0.1", cpu_count=8, memory_total_bytes=64 * 2**30,
+                                     memory_available_bytes=64 * 2**30))
+    member = Actor(user=personas.max)
+    a = service.deploy(member, service.DeployRequest(name="tiny", model_path=str(model), node=roomy,
+                                                     config={"context": 256}, owner=personas.acme.project))
+    Deployment.objects.filter(pk=a.pk).update(state="ready")
+    a.refresh_from_db()
+    larger = service.DeployRequest.of(a, config={"context": 512})
+    wanted = service.preview(member, larger).estimate.total_bytes
+    # Taken by others: with ``taken``, B fits only if A's memory counts as free; with A's more, not even then.
+    taken = memory.budget_for(roomy).free_for_new - wanted + a.memory_reserved_bytes // 2
+    hog = MemoryReservation.objects.create(node=roomy, holder="elsewhere", bytes=taken + a.memory_reserved_bytes)
+    held = sorted(MemoryReservation.objects.values_list("holder", "bytes"))
+    client.force_login(personas.max)
+    url = f"/api/serving/deployments/{a.public_id}/"
+    for verb, body, status, code in (
+            ("reconfigure", {"config": {"context": 512}}, 409, "insufficient_memory"),
+            ("switch", {"model_path": str(model), "config": {"context": 512}}, 409, "insufficient_memory"),
+            ("switch", {"model_path": str(model.parent / "missing.gguf")}, 404, "model_not_found"),
+            ("switch", {"model_path": str(model), "config": {"context": 2, "colour": "blue"}}, 400,
+             "invalid_engine_config")):
+        with django_capture_on_commit_callbacks(execute=True):
+            response = client.post(url + f"{verb}/", body, content_type="application/json")
+        assert response.status_code == status, (verb, body, response.content)
+        error = response.json()["error"]
+        assert error["code"] == code
+        if code == "insufficient_memory":
+            assert not error["details"]["fit"]["fits"] and "plans" in error["details"]["fit"]
+    page = client.post(f"/models/deployments/{a.public_id}/reconfigure/", {"config": '{"context": 512}'},
+                       follow=True).content.decode()
+    assert "does not fit" in page
+    # Nothing changed: no operation, no audit of a switch, A's replica and every reservation as they were.
+    assert not Operation.objects.exists() and queued == []
+    assert not AuditEvent.objects.filter(action__in=("deployment.switch", "deployment.reconfigure")).exists()
+    assert sorted(MemoryReservation.objects.values_list("holder", "bytes")) == held
+    assert Deployment.objects.get().state == "ready" and no_agent == []  # no stop was sent to A's node
+
+    # With A's memory less taken, a fresh deploy still would not fit, but B fits in A's place.
+    MemoryReservation.objects.filter(pk=hog.pk).update(bytes=taken)
+    assert not service.preview(member, larger).fit.fits
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(url + "reconfigure/", {"config": {"context": 512}}, content_type="application/json")
+    assert response.status_code == 202 and queued == [response.json()["id"]]
+    assert Deployment.objects.get().state == "ready"  # A is stopped only by the worker, once B is known to fit
+
+
+def test_switch_through_the_api_keeps_as_accelerators_on_its_node_only(client, personas, node, model, no_agent,
+                                                                       monkeypatch):
+    from scheduler.models import Accelerator
+    from serving.models import Operation
+
+    monkeypatch.setattr(queues, "to_control", lambda task, operation_id: None)
+    card = Accelerator.objects.create(node=node, index=0, uuid="GPU-stand-in-0", name="NVIDIA H100 80GB HBM3",
+                                      accelerator_class="H100-80GB", memory_total_bytes=80 * 2**30)
+    a = service.deploy(Actor(user=personas.max), service.DeployRequest(
+        name="tiny", model_path=str(model), node=node, config={"context": 256}, accelerator=card,
+        owner=personas.acme.project, profile="gpu"))
+    Deployment.objects.filter(pk=a.pk).update(state="ready")
+    other = register_node(NodeReport(name="cpu-02", address="127.0.0.1", cpu_count=8, memory_total_bytes=64 * 2**30,
+                                     memory_available_bytes=60 * 2**30))
+    other_card = Accelerator.objects.create(node=other, index=0, uuid="GPU-stand-in-1", name="NVIDIA H100 80GB HBM3",
+                                            accelerator_class="H100-80GB", memory_total_bytes=80 * 2**30)
+    client.force_login(personas.max)
+    url = f"/api/serving/deployments/{a.public_id}/switch/"
+    for body, accelerators in (({"model_path": str(model)}, [card.uuid]),  # B stays: A's card comes along
+                               ({"model_path": str(model), "node": other.name}, []),  # it cannot follow B
+                               ({"model_path": str(model), "node": other.name, "accelerator": other_card.uuid},
+                                [other_card.uuid])):
+        response = client.post(url, body, content_type="application/json")
+        assert response.status_code == 202, response.content
+        request = Operation.objects.get(public_id=response.json()["id"]).request
+        assert request["accelerators"] == accelerators and request["profile"] == "gpu"
+        assert request["name"] == "tiny" and request["owner"] == personas.acme.project.pk
+        Operation.objects.update(state=Operation.State.SUCCEEDED)  # the worker is done with it
+    refused = client.post(url, {"model_path": str(model), "accelerator": other_card.uuid},
+                          content_type="application/json")
+    assert refused.status_code == 400 and refused.json()["error"]["details"] == {"accelerator": "unknown"}
+
+
 def test_wizard_offers_a_plan_that_stops_a_resident_and_deploys_after_it(client, personas, model, no_agent,
                                                                          monkeypatch, django_capture_on_commit_callbacks):
     from scheduler.models import MemoryReservation
     from serving import tasks
     from serving.models import Operation
 
-    monkeypatch.setattr(tasks.run_operation, "delay", lambda operation_id: None)
+    monkeypatch.setattr(queues, "to_control", lambda task, operation_id: None)
     snug = register_node(NodeReport(name="snug", address="127.0.0.1", cpu_count=2, memory_total_bytes=9 * 2**30,
                                     memory_available_bytes=int(8.95 * 2**30)))
     Deployment.objects.create(name="sitting", model_path="/m.gguf", node=snug, state="ready", priority=10,

@@ -8,7 +8,8 @@ import redis
 from django.conf import settings
 
 from scheduler.services import NodeReport, register_node
-from serving.live import CHANNEL, deployment_events
+from serving.events import DEPLOYMENTS_CHANNEL as CHANNEL
+from serving.views.live import deployment_events
 from serving.models import Deployment
 
 

@@ -55,7 +55,7 @@ def test_a_stopping_replica_is_drained_of_what_the_gateways_have_in_flight(backe
     import threading
     import types
 
-    from serving import agent
+    from serving.node import lifecycle as agent
 
     replica = types.SimpleNamespace(public_id="r-draining")
     assert agent.drain(replica, grace=5)  # nothing in flight: at once

@@ -10,7 +10,7 @@ import pytest
 from serving.catalog import fetch
 from serving.catalog.errors import FetchRefused
 from serving.catalog.fetch import FetchRequest
-from serving.catalog.models import FetchJob, ModelEntry, ModelFile
+from serving.models import FetchJob, ModelEntry, ModelFile
 from tenancy.audit import Actor
 from tests.assets.gguf_models import ModelShape, write_gguf
 from tests.assets.hub_server import hub, mirror_root  # noqa: F401  (fixtures)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from serving.catalog import entries, fetch
-from serving.catalog.models import FetchJob
+from serving.models import FetchJob
 from tenancy.audit import Actor
 from tests.assets.gguf_models import ModelShape, write_gguf
 from tests.assets.hub_server import HubServer, hub, mirror_root  # noqa: F401  (fixtures)

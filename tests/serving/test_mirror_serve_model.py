@@ -8,7 +8,7 @@ import io
 import pytest
 from django.core.management import CommandError, call_command
 
-from serving.catalog.models import FetchJob, ModelEntry
+from serving.models import FetchJob, ModelEntry
 from serving.models import Deployment
 from tests.assets.hub_server import hub  # noqa: F401  (fixture)
 

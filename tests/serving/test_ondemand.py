@@ -6,12 +6,13 @@ import time
 import pytest
 from django.core.cache import cache
 
-from serving import ondemand
+from serving import load
+from serving.control import ondemand
 from serving.catalog.entries import import_local
-from serving.catalog.models import ModelEntry
-from serving.deployments import placement
+from serving.models import ModelEntry
+from serving.control import placement
 from serving.models import Deployment
-from serving.routing import ModelNotLoadable, request_load
+from serving.control.ondemand import NotLoadable as ModelNotLoadable, request_load
 from tenancy.audit import Actor
 from tests.assets.agent import NODE
 from tests.assets.waiting import wait_until
@@ -48,9 +49,9 @@ def test_first_request_loads_the_model_and_idle_time_unloads_it(agent, tiny_mode
 
     # The placement policy unloads it once idle past its timeout.
     assert placement.reconcile()["evicted"] == []  # its last use is not known yet: not idle, the clock starts now
-    ondemand.note_used({"lazy": time.time() - 30})
+    load.note_used({"lazy": time.time() - 30})
     assert placement.reconcile()["evicted"] == []  # 30 s of a 60 s timeout
-    ondemand.note_used({"lazy": time.time() - 61})
+    load.note_used({"lazy": time.time() - 61})
     assert placement.reconcile()["evicted"] == ["lazy"]
     wait_until(lambda: Deployment.objects.filter(pk=deployment.pk, state="stopped").exists(), 60, what="unloaded")
 
@@ -59,13 +60,51 @@ def test_first_request_loads_the_model_and_idle_time_unloads_it(agent, tiny_mode
     assert Deployment.objects.count() == 1
 
 
-def test_a_model_that_is_not_on_demand_is_refused_at_once(db, tiny_model, tmp_path, model_root):
+def test_an_always_on_model_never_placed_is_refused_at_once_with_the_policys_reason(db, tiny_model, tmp_path,
+                                                                                     model_root, monkeypatch):
     entry = on_demand_entry(tiny_model, tmp_path, name="always")
     ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=1)
-    with pytest.raises(ModelNotLoadable, match="not an on-demand model"):
+    monkeypatch.setattr(placement, "reconcile", lambda **_: pytest.fail("a request placed an always-on model"))
+    with pytest.raises(ModelNotLoadable, match="always on") as refused:
+        request_load("always")  # no pass has decided anything yet
+    assert refused.value.details["reason"].startswith("not placed yet") and refused.value.details["model"] == "always"
+    monkeypatch.undo()
+    assert placement.reconcile()["unschedulable"]["always"]  # no node at all: the policy says why, as evidence
+    with pytest.raises(ModelNotLoadable, match="always on") as refused:
         request_load("always")
-    with pytest.raises(ModelNotLoadable):
+    said = refused.value.details["policy"]
+    assert said and said in refused.value.message and refused.value.details["reason"] == f"the placement policy: {said}"
+    assert not Deployment.objects.exists()
+    with pytest.raises(ModelNotLoadable, match="not in the catalog") as refused:
         request_load("nothing-of-that-name")
+    assert refused.value.details["reason"] == "not in the catalog"
+
+
+def test_a_parked_model_is_refused_at_once_naming_its_park_reason_and_last_error(db, tiny_model, tmp_path,
+                                                                                model_root, monkeypatch):
+    from scheduler import recovery_service
+
+    entry = on_demand_entry(tiny_model, tmp_path, name="given-up")
+    for minimum in (1, 0):  # always on, or on demand: a parked model is not placed by a request either
+        ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=minimum)
+        for _ in range(5):
+            recovery_service.note_failure("given-up", "crash", "engine exited with status 1 while loading",
+                                          entry.fingerprint)
+        monkeypatch.setattr(placement, "reconcile", lambda **_: pytest.fail("asked the policy about a parked model"))
+        with pytest.raises(ModelNotLoadable, match="parked after 5 failure") as refused:
+            request_load("given-up")
+        details = refused.value.details
+        assert details["parked"] is True and details["failure"] == "crash" and details["consecutive"] == 5
+        assert details["last_error"] == "engine exited with status 1 while loading"
+        assert "engine exited with status 1 while loading" in refused.value.message
+        assert "parked after 5 failure(s)" in details["reason"]
+        monkeypatch.undo()
+        recovery_service.retry(Actor(system="tests"), "given-up")
+    ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=1)
+    for _ in range(5):
+        recovery_service.note_failure("given-up", "crash", "boom", "an-older-definition")
+    with pytest.raises(ModelNotLoadable, match="always on"):  # parked under another definition: not parked now
+        request_load("given-up")
 
 
 def test_an_on_demand_model_that_fits_nowhere_says_why(db, tiny_model, tmp_path, model_root, monkeypatch):

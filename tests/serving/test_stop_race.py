@@ -16,7 +16,8 @@ import pytest
 from django.db import connection
 
 from scheduler.models import MemoryReservation, Node
-from serving import agent as node_agent
+from serving import queues
+from serving.node import adopt, lifecycle as node_agent, runtime as node_runtime
 from serving.deployments import gate, service, states
 from serving.models import Deployment, Replica
 from serving.runtimes.process import ProcessRuntime
@@ -57,9 +58,9 @@ def engines(tmp_path, settings, monkeypatch, model_root, node):
     settings.SERVING_ENGINE_DIR = tmp_path / "engines"
     settings.SERVING_DRAIN_SECONDS = 0
     runtime = PausingRuntime(ProcessRuntime(tmp_path / "engines"))
-    monkeypatch.setattr(node_agent, "_runtimes", {"process": runtime})
+    monkeypatch.setattr(node_runtime, "_runtimes", {"process": runtime})
     sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(service, "dispatch", lambda operation, replica: sent.append((operation, str(replica.public_id))))
+    monkeypatch.setattr(queues, "to_node", lambda operation, replica: sent.append((operation, str(replica.public_id))))
     runtime.sent = sent
     yield runtime
     runtime.go_on.set()
@@ -205,8 +206,8 @@ def test_an_agent_restarting_after_a_stop_mid_start_stops_the_engine_it_had_laun
     node_agent.stop_replica(str(replica.public_id))
     # The agent dies here: its start never records the engine nor finishes the stop. A new agent
     # (a fresh runtime, which finds the engine by its pidfile) adopts what it left.
-    node_agent._runtimes["process"] = ProcessRuntime(engines.real.state_dir)
-    node_agent.adopt(node)
+    node_runtime._runtimes["process"] = ProcessRuntime(engines.real.state_dir)
+    adopt.adopt(node)
     deployment.refresh_from_db()
     assert deployment.state == "stopped"
     assert_gone(pid)
@@ -221,7 +222,7 @@ def test_an_agent_restarting_after_a_stop_mid_start_stops_the_engine_it_had_laun
 def test_a_real_agent_handling_a_start_after_the_stop_starts_nothing(agent, model_root, tiny_model, monkeypatch):
     from serving import tasks
 
-    monkeypatch.setattr(service, "dispatch", lambda operation, replica: None)  # held back, sent below
+    monkeypatch.setattr(queues, "to_node", lambda operation, replica: None)  # held back, sent below
     deployment, replica = deploy(model_root, tiny_model)
     assert service.stop(ADMIN, deployment).state == "stopped"
     job = tasks.start_replica.apply_async(args=[str(replica.public_id)], queue=f"node.{NODE}")

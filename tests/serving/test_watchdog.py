@@ -4,7 +4,7 @@ import pytest
 from django.core.cache import cache
 
 from scheduler.services import NodeReport, register_node
-from serving import watchdog
+from serving.node import watchdog
 from serving.deployments import service
 from serving.models import Deployment
 from tenancy.models import AuditEvent
@@ -57,13 +57,53 @@ def test_level_change_is_audited_once_and_critical_stops_the_right_deployment(no
     assert watchdog.levels([node]) == {"tight": "critical"}
 
 
-def test_without_auto_protect_nothing_is_stopped(node, monkeypatch, settings):
+def test_without_auto_protect_it_only_warns(node, monkeypatch, settings, caplog):
+    settings.SCHEDULER_SAFETY_MARGIN_UNIFIED_GIB = 8
     settings.SERVING_AUTO_PROTECT = False
     stopped = []
     monkeypatch.setattr(service, "stop", lambda actor, d: stopped.append(d.name))
     deployment(node, "victim", 10, GIB)
+    deployment(node, "important", 90, GIB)
     node.memory_available_bytes = GIB
-    assert watchdog.check(node) == "critical" and stopped == []
+    with caplog.at_level("WARNING", logger="serving.node.watchdog"):
+        assert watchdog.check(node) == "critical"
+        assert watchdog.check(node) == "critical"  # every heartbeat: still one warning a minute
+    assert stopped == [] and Deployment.objects.filter(state="ready").count() == 2
+    levels = list(AuditEvent.objects.filter(action="watchdog.level").values_list("details", flat=True))
+    assert [(d["from"], d["to"]) for d in levels] == [(None, "critical")]  # the level change is the event
+    assert not AuditEvent.objects.filter(action="watchdog.protect").exists()
+    assert watchdog.levels([node]) == {"tight": "critical"}  # the console's banner
+    said = [r.getMessage() for r in caplog.records if "auto-protect is off" in r.getMessage()]
+    assert len(said) == 1 and "it would stop victim" in said[0]
+
+
+@pytest.mark.parametrize("value, protects", [(None, False), ("true", True), ("0", False)])
+def test_auto_protect_is_off_unless_berth_auto_protect_is_set(value, protects):
+    """The setting as a fresh process reads it from the environment (the default a newcomer gets)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "BERTH_AUTO_PROTECT"}
+    if value is not None:
+        env["BERTH_AUTO_PROTECT"] = value
+    env["DJANGO_SETTINGS_MODULE"] = "berth.settings"
+    program = "from django.conf import settings; print(settings.SERVING_AUTO_PROTECT)"
+    read = subprocess.run([sys.executable, "-c", program], check=False, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.strip() == str(protects)
+
+
+def test_a_malformed_berth_auto_protect_is_refused_loudly():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BERTH_AUTO_PROTECT": "perhaps", "DJANGO_SETTINGS_MODULE": "berth.settings"}
+    read = subprocess.run([sys.executable, "-c", "from django.conf import settings; settings.SERVING_AUTO_PROTECT"],
+                          check=False, env=env, capture_output=True, text=True, timeout=60)
+    assert read.returncode != 0 and "BERTH_AUTO_PROTECT" in read.stderr
 
 
 def test_the_banner_shows_a_node_in_trouble(client, node, admin_user):

@@ -93,9 +93,10 @@ def test_success_clears_the_accounts_counter(make_throttle):
 
 
 @pytest.mark.django_db
-def test_console_login_refuses_even_the_right_password_once_throttled(client, django_user_model, monkeypatch):
+def test_console_login_refuses_even_the_right_password_once_throttled(client, django_user_model, monkeypatch,
+                                                                    argon2_hashing):
     monkeypatch.setattr(throttle, "_throttle", LoginThrottle(3, 900, 100, None))
-    django_user_model.objects.create_user("ada", password="the-right-password-42")
+    assert django_user_model.objects.create_user("ada", password="the-right-password-42").password.startswith("argon2$")
     for _ in range(3):
         response = client.post("/login/", {"username": "ada", "password": "wrong"}, REMOTE_ADDR="127.0.0.5")
         assert "do not match" in response.content.decode()
@@ -106,8 +107,10 @@ def test_console_login_refuses_even_the_right_password_once_throttled(client, dj
 
 
 @pytest.mark.django_db
-def test_password_hashing_waits_for_a_free_slot_and_refuses_when_none_frees(django_user_model, monkeypatch):
-    django_user_model.objects.create_user("ada", password="the-right-password-42")
+def test_password_hashing_waits_for_a_free_slot_and_refuses_when_none_frees(django_user_model, monkeypatch,
+                                                                          argon2_hashing):
+    # The slots bound Argon2's memory: the hash checked here is a real Argon2 one.
+    assert django_user_model.objects.create_user("ada", password="the-right-password-42").password.startswith("argon2$")
     monkeypatch.setattr(backends, "_slots", None)
     monkeypatch.setattr(settings, "PASSWORD_HASH_SLOTS", 2)
     monkeypatch.setattr(backends, "SLOT_WAIT_SECONDS", 0.05)

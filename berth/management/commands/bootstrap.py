@@ -4,7 +4,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
-from serving.services import register_local_node
+from serving.node.registration import register_local_node
 
 
 class Command(BaseCommand):

@@ -5,6 +5,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from berth.supervisor import Supervisor
+from berth.web import uvicorn_command
+from serving.models import Deployment
 
 
 class Command(BaseCommand):
@@ -24,8 +26,7 @@ class Command(BaseCommand):
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1.")
         python = sys.executable
-        programs = {"web": [python, "-m", "uvicorn", "berth.asgi:application", "--host", host,
-                            "--port", str(port), "--lifespan", "off", "--no-server-header"]}
+        programs = {"web": uvicorn_command(host, port)}
         celery = [python, "-m", "celery", "-A", "berth.celery"]
         level = settings.LOG_LEVEL
         if not no_worker:
@@ -66,8 +67,6 @@ class Command(BaseCommand):
 
     def _announce_models(self, already: set[str]) -> None:
         from django.db import close_old_connections
-
-        from serving.models import Deployment
 
         close_old_connections()
         for name in Deployment.objects.filter(state="ready").values_list("name", flat=True):

@@ -27,6 +27,13 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
+from gateway.models import UsageRecord
+from scheduler.services import NodeReport, register_node
+from serving.models import Deployment, Replica
+from tenancy.audit import Actor
+from tenancy.models import Contract
+from tenancy.services import clients, contracts, tree
+
 BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 
 
@@ -174,11 +181,6 @@ class Command(BaseCommand):
     # -- Berth's side ----------------------------------------------------------------------------
 
     def _berth_fixture(self, stub_port: int) -> dict:
-        from scheduler.services import NodeReport, register_node
-        from serving.models import Deployment, Replica
-        from tenancy.audit import Actor
-        from tenancy.services import clients, contracts, tree
-
         actor = Actor(system="bench")
         slug = "bench-" + uuid.uuid4().hex[:8]
         org = tree.create_scope(actor, "org", slug, "Bench")
@@ -196,9 +198,6 @@ class Command(BaseCommand):
                 "deployment": deployment}
 
     def _cleanup(self, made: dict) -> None:
-        from gateway.models import UsageRecord
-        from tenancy.models import Contract
-
         UsageRecord.objects.filter(scope_path=made["project"].path).delete()
         made["deployment"].delete()
         made["node"].delete()

@@ -9,7 +9,6 @@ Packing quality needs OR-Tools (the optional ``bench`` extra): ``pip install -e 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import random
 import statistics
@@ -418,7 +417,7 @@ class Berth(Replay):
 
     name = "Berth policy (defaults: min lifetime 5 min)"
     settings = Settings(eviction_grace_s=10)
-    idle_timeout_s = 900  # Berth's default (serving.ondemand.DEFAULT_IDLE_SECONDS)
+    idle_timeout_s = 900  # Berth's default (serving's ModelEntry.DEFAULT_IDLE_SECONDS)
 
     def __init__(self, models):
         super().__init__(models)

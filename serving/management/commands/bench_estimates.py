@@ -23,6 +23,7 @@ from django.core.management.base import BaseCommand, CommandError
 from scheduler.estimation.engines import GIB, LlamaCppConfig, estimate_llamacpp
 from scheduler.estimation.gguf_header import _read_shape_cached, read_shape
 from scheduler.policy.calibration import Observation, calibrate
+from serving.engines import build_llamacpp
 
 SHAPES = [  # (label, shape, ctx, parallel)
     ("2L e64 h4/2", dict(layers=2, embedding=64, heads=4, kv_heads=2, feed_forward=128), 1024, 1),
@@ -59,7 +60,6 @@ class Command(BaseCommand):
         for noisy in ("httpx", "gguf"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         try:
-            from serving.engines import build_llamacpp
             from tests.assets.gguf_models import ModelShape, write_gguf
             from tests.assets.llama_server import LlamaServer
             from tests.assets.smollm2 import smollm2_path

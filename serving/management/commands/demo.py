@@ -4,9 +4,8 @@ import importlib.util
 import os
 import shutil
 import socket
-from pathlib import Path
-
 from datetime import timedelta
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -14,8 +13,9 @@ from django.utils import timezone
 
 from berth.errors import BerthError
 from scheduler.models import Node
-from serving.deployments import service, states
+from serving.deployments import service
 from serving.models import Deployment
+from serving.models.states import SERVING, TERMINAL
 from tenancy.audit import Actor
 from tenancy.models import Scope, ServiceClient
 from tenancy.services import clients, tree
@@ -43,7 +43,7 @@ class Command(BaseCommand):
             """"messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]}'""")
 
     def _deploy(self, project):
-        if Deployment.objects.filter(name=NAME, state__in=states.ACTIVE + ("planned",)).exists():
+        if Deployment.objects.filter(name=NAME, state__in=SERVING).exists():
             self.stdout.write(f"The demo model {NAME} is already deployed.")
             return
         source = _packaged_model()
@@ -60,7 +60,7 @@ class Command(BaseCommand):
         node = Node.objects.filter(name=settings.NODE_NAME or socket.gethostname()).first()
         if node is None:
             raise CommandError("This machine is not registered as a node yet: run `manage.py bootstrap` first.")
-        stopped = Deployment.objects.filter(name=NAME, state__in=("stopped", "failed")).order_by("-created_at").first()
+        stopped = Deployment.objects.filter(name=NAME, state__in=TERMINAL).order_by("-created_at").first()
         try:
             if stopped is not None:
                 service.start(Actor(system="demo"), stopped)

@@ -5,8 +5,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from berth.errors import BerthError
-from serving import services
+from serving.engines import build_llamacpp, llamacpp_image
 from serving.engines.installed import local_engines
+from serving.node import registration as services
 
 
 class Command(BaseCommand):
@@ -45,8 +46,6 @@ class Command(BaseCommand):
     def _image(self, force: bool) -> None:
         import docker
         import docker.errors
-
-        from serving.engines import build_llamacpp, llamacpp_image
 
         say = lambda step, message: self.stdout.write(f"[{step}] {message}")  # noqa: E731
         try:

@@ -5,8 +5,9 @@ import time
 from django.core.management.base import BaseCommand, CommandError
 
 from berth.errors import BerthError
-from serving.catalog import fetch, serve
-from serving.catalog.models import FetchJob
+from serving.catalog import fetch
+from serving.control import serve_model as serve
+from serving.models import FetchJob
 from tenancy.audit import Actor
 
 MARKS = {"running": "..", "done": "ok", "failed": "!!", "skipped": "--"}

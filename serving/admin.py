@@ -1,1 +1,0 @@
-"""Django admin registrations of the serving app."""

@@ -1,0 +1,174 @@
+"""On-demand models: loaded by their first request, unloaded after their idle timeout.
+
+A catalog entry whose scaling minimum is 0 has no replica until a request asks for it. The gateway
+calls ``request_load`` for a model with no ready replica; that calls ``load``, which starts the
+model's stopped deployment or places a new one. The gateway tells us when models were last used
+(``serving.load.note_used``, batched with its usage records); the placement policy stops those idle
+past their timeout (``load.last_used`` is what its snapshot reads). Idle time that is not known
+(after a restart) is not idle: the clock starts when we first see the model running. A new replica
+is placed by the placement policy, as every catalog model's is; when nothing fits as the fleet
+stands it may make room by stopping idle on-demand replicas of lower (or, for a load, equal) classes.
+
+A model nothing will bring up by request is refused at once, saying why: a parked one (the recovery
+ladder gave up on it) with its park reason and last error; an always-on one (scaling minimum 1 or
+more, placed by the reconcile loop, not by requests) with the placement policy's latest reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import transaction
+from django.utils import timezone
+
+from berth.errors import BerthError, Unavailable
+from scheduler import recovery_service
+from scheduler.models import PlacementDecision
+from serving.catalog import room
+from serving.control import placement
+from serving.deployments import service
+from serving.models import Deployment, DeploymentState as S, ModelEntry, Replica
+from serving.models.states import LOADABLE, SERVING, STARTING_UP, TERMINAL
+from tenancy.audit import Actor
+
+log = logging.getLogger(__name__)
+ACTOR = Actor(system="on-demand")
+ASK_POLICY_EVERY_S = 5
+
+
+class NotLoadable(Unavailable):
+    """The model will not come up on its own: the gateway answers at once with 503 and no ``Retry-After``."""
+
+    code = "model_not_loaded"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadTicket:
+    """A load is under way (or was asked for); ``expected_seconds`` is how long until it should be up."""
+
+    model: str
+    expected_seconds: float
+
+
+def entry_for(name: str) -> ModelEntry | None:
+    """The catalog entry answering to ``name`` (its name or one of its aliases)."""
+    entry = ModelEntry.objects.filter(name=name).first()
+    if entry is None:
+        entry = next((e for e in ModelEntry.objects.filter(aliases__icontains=name) if name in e.aliases), None)
+    return entry
+
+
+def load(name: str) -> Deployment:
+    """Make ``name`` come up: start its stopped deployment or place a new one. Quick (the agent does
+    the loading) and harmless when many waiting requests call it at once."""
+    entry = entry_for(name)
+    if entry is None:
+        raise NotLoadable(f"{name} is not in the catalog: nothing loads it on request.",
+                          details={"reason": "not in the catalog"})
+    parked = recovery_service.parked_now(entry.name, entry.fingerprint)
+    if parked is not None:  # the ladder gave up on it: no pass would place it, so none is asked for
+        reason = f"{parked['detail']}; it is placed again once an operator retries it or its definition changes"
+        raise NotLoadable(f"{entry.name} is {reason}.", details={
+            "reason": reason, "parked": True, "failure": parked["kind"], "consecutive": parked["consecutive"],
+            "last_error": parked["last_error"]})
+    if entry.scaling_min != 0:
+        reason, said = _why_not_placed(entry)
+        raise NotLoadable(f"{entry.name} is always on (placed by the reconcile loop, not by requests) and has no "
+                          f"ready replica: {reason}.", details={"reason": reason, "policy": said})
+    with transaction.atomic():
+        # One loader at a time per model: the entry's row is the lock.
+        ModelEntry.objects.select_for_update().filter(pk=entry.pk).first()
+        active = Deployment.objects.filter(name=entry.name, state__in=SERVING).first()
+        if active is not None:
+            return active
+        stopped = Deployment.objects.filter(name=entry.name, state__in=TERMINAL) \
+            .order_by("-created_at").first()
+        if stopped is not None:
+            try:
+                return service.start(ACTOR, stopped)
+            except BerthError as error:  # no room where it ran last: place it afresh
+                log.info("%s cannot start where it ran (%s); placing it afresh", entry.name, error.message)
+        return _place(entry)
+
+
+def _place(entry: ModelEntry) -> Deployment:
+    """Placed by the placement policy, like every catalog model: its order (weights held, best fit)
+    and, when nothing fits as the fleet stands, its preemption (idle on-demand replicas first).
+    Asked at most once per model every few seconds: a burst of requests for a model that cannot be
+    placed gets the policy's last answer, not a pass each."""
+    if room.desired_model(entry) is None:
+        raise NotLoadable(f"{entry.name} has no verified, servable file with an estimate: nothing can place it.")
+    asked = _asked_key(entry.name)
+    why = cache.get(asked)
+    if why is None:
+        outcome = placement.reconcile(waiting={entry.name: 1}, wait_s=ASK_POLICY_EVERY_S)
+        placed = Deployment.objects.filter(name=entry.name, state__in=SERVING).first()
+        if placed is not None:
+            return placed
+        why = outcome.get("unschedulable", {}).get(entry.name) or ""
+        if not outcome.get("skipped"):
+            cache.set(asked, why, ASK_POLICY_EVERY_S)
+    raise NotLoadable(f"{entry.name} fits on no node now; the placement policy: {why or 'busy, ask again'}.",
+                      details={"policy": why})
+
+
+WHY_NOT_PLACED = (PlacementDecision.Verdict.UNSCHEDULABLE, PlacementDecision.Verdict.BACKOFF,
+                  PlacementDecision.Verdict.HELD, PlacementDecision.Verdict.PARKED)
+
+
+def _why_not_placed(entry: ModelEntry) -> tuple[str, str]:
+    """Why an always-on model has no replica, and what the placement policy last said about it (its
+    latest applied decision; "" when it has said nothing), without asking it again: a request is
+    answered at once, and the reconcile loop asks it every pass anyway."""
+    if room.desired_model(entry) is None:
+        return "it has no verified, servable file with an estimate: nothing can place it", ""
+    latest = (PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN, model=entry.name)
+              .order_by("-created_at", "-id").values("verdict", "detail").first())
+    if latest is not None and latest["verdict"] in WHY_NOT_PLACED and latest["detail"]:
+        return f"the placement policy: {latest['detail']}", latest["detail"]
+    return "not placed yet; the reconcile loop places it once it fits", ""
+
+
+def _asked_key(name: str) -> str:
+    return f"berth:ondemand:policy-said:{name}"
+
+
+def _expected_load_seconds(deployments: list[Deployment]) -> float:
+    """From how long this model's replicas took to become ready before, else the configured default,
+    less what the current load has already spent."""
+    default = float(getattr(settings, "GATEWAY_EXPECTED_LOAD_SECONDS", 60))
+    past = list(Replica.objects.filter(deployment__in=deployments, ready_at__isnull=False, started_at__isnull=False)
+                .order_by("-ready_at").values_list("started_at", "ready_at")[:10])
+    typical = statistics.median([(ready - started).total_seconds() for started, ready in past]) if past else default
+    started = (Replica.objects.filter(deployment__in=deployments, state__in=STARTING_UP,
+                                      started_at__isnull=False)
+               .order_by("started_at").values_list("started_at", flat=True).first())
+    elapsed = (timezone.now() - started).total_seconds() if started else 0.0
+    return max(1.0, typical - elapsed)
+
+
+def request_load(model_name: str) -> LoadTicket:
+    """Ask for ``model_name`` to be made ready; return at once with the expected wait.
+
+    Raises ``NotLoadable`` (503, code ``model_not_loaded``) when nothing can bring it up, its
+    ``details`` saying why (``reason``; for a parked model also ``parked``, ``failure`` and
+    ``last_error``; for an always-on one, ``policy``: what the placement policy last said).
+    """
+    deployments = [d for d in Deployment.objects.filter(name=model_name)]
+    loadable = [d for d in deployments if d.state in LOADABLE]
+    if not loadable:
+        try:  # an on-demand model: its first request loads it (starting or placing a deployment)
+            loadable = [load(model_name)]
+        except NotLoadable as refusal:
+            message, details = refusal.message, dict(refusal.details or {})
+            failed = [d for d in deployments if d.state == S.FAILED]
+            if failed and failed[0].state_detail and entry_for(model_name) is None:
+                message = f"no deployment can serve it (last failure: {failed[0].state_detail[:200]})"
+                details["reason"] = message
+            details = {**details, "model": model_name, "reason": details.get("reason") or message}
+            raise NotLoadable(f"{model_name} is not loaded and will not be: {message}", details=details) from None
+    return LoadTicket(model=model_name, expected_seconds=_expected_load_seconds(loadable))

@@ -1,1 +1,0 @@
-"""FilterSets of the serving app, shared by the console and the API."""

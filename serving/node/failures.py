@@ -1,0 +1,101 @@
+"""A replica that failed: its engine removed, its log tail kept, what it held given back, and what
+the failure teaches — a step down the model's recovery ladder, an out-of-memory record for the
+estimator — and what a load that went well teaches (calibration)."""
+
+from __future__ import annotations
+
+import logging
+
+from berth.errors import BerthError
+from scheduler import memory, recovery_service
+from scheduler.estimation.reading import read_model
+from scheduler.policy import recovery
+from scheduler.policy.calibration import ExitClassification
+from serving.deployments import states
+from serving.engines.registry import estimation_config
+from serving.models import DeploymentState as S, ModelEntry, Replica
+from serving.node.runtime import handle_of, runtime_for
+from serving.runtimes.base import Exit, Handle
+
+log = logging.getLogger(__name__)
+
+
+def fail(replica: Replica, message: str, *, handle: Handle | None = None, exit: Exit | None = None,
+         launch_failure: str = "") -> None:
+    """Remove a failed engine, keep its log tail, give back what it held, learn from an OOM.
+
+    ``launch_failure`` says the replica never became ready and how: "crash" (the engine exited
+    while loading, or the runtime could not start it; an exit with out-of-memory evidence makes it
+    "oom") or "hang" (not ready within the start-up timeout). The recovery ladder counts those;
+    the rest (no room at its turn, the queue timeout, an agent restart, a stop) are not the
+    model's fault and leave it alone."""
+    handle = handle or handle_of(replica)
+    tail = ""
+    if handle is not None:
+        runtime = runtime_for(handle.runtime)
+        try:
+            tail = runtime.logs(handle, lines=200)
+            stopped = runtime.stop(handle, grace_seconds=10)
+            exit = exit or stopped
+        except Exception as error:  # keep failing the record even if the runtime misbehaves
+            log.warning("cleaning up %s: %s", replica, error)
+    moved = states.move(replica, S.FAILED, message, log_tail=tail, exit_reason=message[:300])  # gives back what it held
+    if moved:
+        if exit is not None and exit.out_of_memory:
+            _record_oom(replica, exit)
+        if launch_failure:
+            _note_launch_failure(replica, "oom" if exit is not None and exit.out_of_memory else launch_failure,
+                                 message)
+
+
+def _note_launch_failure(replica: Replica, kind: str, message: str) -> None:
+    """One step down the model's recovery ladder, when the deployment serves a catalog model (only
+    those are placed by the policy; a deployment made by hand under another name is not counted)."""
+    name = replica.deployment.name
+    entry = ModelEntry.objects.filter(name=name).values("fingerprint", "fallbacks").first()
+    if entry is None:
+        return
+    fallbacks = entry["fallbacks"] or ()
+    known = set(ModelEntry.objects.filter(name__in=fallbacks).values_list("name", flat=True))
+    recovery_service.note_failure(name, kind, message, entry["fingerprint"],
+                                  fallback=bool(recovery.usable_fallbacks(name, fallbacks, known)))
+
+
+def calibrate(replica: Replica, peak: int | None) -> None:
+    """Teach the estimator what this load really used (CPU: peak resident memory). Not a load with
+    a draft model: its peak is two models', and calibration records are one model's."""
+    deployment = replica.deployment
+    if not peak or deployment.gpu_uuids or deployment.config.get("draft_model"):
+        return
+    try:
+        shape = read_model(deployment.model_path)
+        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config))
+        memory.record_load(shape, deployment.engine, _engine_version(replica), config, "cpu",
+                           estimated_bytes=deployment.memory_reserved_bytes or peak, measured_bytes=peak,
+                           node=replica.node)
+    except BerthError as error:
+        log.warning("no calibration record for %s: %s", replica, error.message)
+
+
+def _engine_version(replica: Replica) -> str:
+    """The node's engine version: calibration records are keyed by it, so loads and failures meet."""
+    engine = replica.node.engines.filter(kind=replica.deployment.engine).first()
+    return engine.version if engine else ""
+
+
+def _record_oom(replica: Replica, exit: Exit) -> None:
+    deployment = replica.deployment
+    if deployment.config.get("draft_model"):
+        return  # two models' memory: not evidence about either one's estimate (the ladder still counts it)
+    try:
+        shape = read_model(deployment.model_path)
+        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config,
+                                                                           len(deployment.gpu_uuids)))
+        source = "docker" if "docker" in (exit.oom_evidence or "").lower() else "kernel"
+        memory.record_failure(shape, deployment.engine, _engine_version(replica), config,
+                              "gpu" if deployment.gpu_uuids else "cpu",
+                              estimated_bytes=deployment.memory_reserved_bytes or 1,
+                              classification=ExitClassification("oom", exit.oom_evidence or "", source),
+                              node=replica.node)
+    except BerthError as error:
+        log.warning("no OOM record for %s: %s", replica, error.message)
