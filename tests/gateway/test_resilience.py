@@ -182,3 +182,36 @@ def test_a_gateway_told_to_stop_writes_the_usage_it_still_buffers(tmp_path, chat
     assert "Application shutdown complete" in stopping.log(), stopping.log()[-2000:]
     record = UsageRecord.objects.get(request_id="buffered-at-stop")
     assert record.status == 200 and record.model_served == "smollm2"
+
+
+def test_sigterm_under_load_writes_the_usage_of_every_answered_request(tmp_path, chat_engine, deploy, make_key):
+    """Requests in flight when the web process is told to stop: each one answered 2xx has its record."""
+    stopping = GatewayProcess(tmp_path / "under-load.log", usage_flush_ms=600_000)
+    deploy("smollm2", chat_engine)
+    key = make_key().key
+    answered: dict[str, int] = {}
+
+    def ask(n: int) -> None:
+        request_id = f"load-{n}"
+        try:
+            response = httpx.post(f"{stopping.base_url}/v1/chat/completions", timeout=60,
+                                  headers={"Authorization": f"Bearer {key}", "X-Request-Id": request_id},
+                                  json={"model": "smollm2", "max_tokens": 8,
+                                        "messages": [{"role": "user", "content": f"Count to {n}."}]})
+            answered[request_id] = response.status_code
+        except httpx.HTTPError:
+            pass  # refused once the server stopped accepting: never answered, so nothing to record
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in range(12)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(answered) >= 3, 60, interval=0.05, what="the first answers under load")
+    finally:
+        stopping.stop()  # SIGTERM while the rest are in flight or queued at the engine
+        for thread in threads:
+            thread.join(timeout=60)
+    ok = sorted(request_id for request_id, status in answered.items() if 200 <= status < 300)
+    assert len(ok) >= 3
+    written = set(UsageRecord.objects.filter(request_id__in=ok).values_list("request_id", flat=True))
+    assert written == set(ok), f"usage lost for {sorted(set(ok) - written)}"
