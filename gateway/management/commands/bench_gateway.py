@@ -13,58 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-import httpx
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
-from gateway.models import UsageRecord
-from scheduler.services import NodeReport, register_node
-from serving.models import Deployment, Replica
-from tenancy.audit import Actor
-from tenancy.models import Contract
-from tenancy.services import clients, contracts, tree
+from gateway.bench.fixture import berth_fixture, cleanup, free_port, stop, wait_http
 
 BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url: str, ok, timeout: float, process: subprocess.Popen, headers=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise CommandError(f"{url}: the server exited with {process.returncode}")
-        try:
-            if ok(httpx.get(url, timeout=2, headers=headers).status_code):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise CommandError(f"{url} did not come up within {timeout:.0f}s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def _measure(base: str, key: str | None, sequential: int, streamed: int, seconds: float) -> dict:
@@ -143,7 +104,7 @@ class Command(BaseCommand):
             stub_url = f"http://127.0.0.1:{stub_port}"
             wait_http(stub_url + "/", lambda s: True, 20, stub)
 
-            made = self._berth_fixture(stub_port)
+            made = berth_fixture(stub_port)
             berth_port = free_port()
             db = connection.settings_dict
             env = dict(os.environ, BERTH_GATEWAY_USAGE_FLUSH_MS="1000")
@@ -176,35 +137,7 @@ class Command(BaseCommand):
             for process in reversed(processes):
                 stop(process)
             if made is not None:
-                self._cleanup(made)
-
-    # -- Berth's side ----------------------------------------------------------------------------
-
-    def _berth_fixture(self, stub_port: int) -> dict:
-        actor = Actor(system="bench")
-        slug = "bench-" + uuid.uuid4().hex[:8]
-        org = tree.create_scope(actor, "org", slug, "Bench")
-        team = tree.create_scope(actor, "team", "team", "Team", org)
-        project = tree.create_scope(actor, "project", "project", "Project", team)
-        big = {"rpm_limit": 10**9, "tpm_limit": 2 * 10**9, "concurrency_limit": 10**6}
-        for scope in (org, team, project):
-            contracts.set_contract(actor, scope, daily_token_budget=10**15, monthly_token_budget=10**16, **big)
-        client = clients.create_client(actor, project, "bench", all_models=True, access="inference", **big)
-        _, key = clients.create_credential(actor, client)
-        node = register_node(NodeReport(name=f"{slug}-node", address="127.0.0.1"))
-        deployment = Deployment.objects.create(name="bench-model", model_path="/stub", node=node, state="ready")
-        Replica.objects.create(deployment=deployment, node=node, port=stub_port, state="ready")
-        return {"key": key, "org": org, "team": team, "project": project, "client": client, "node": node,
-                "deployment": deployment}
-
-    def _cleanup(self, made: dict) -> None:
-        UsageRecord.objects.filter(scope_path=made["project"].path).delete()
-        made["deployment"].delete()
-        made["node"].delete()
-        made["client"].delete()
-        for scope in (made["project"], made["team"], made["org"]):
-            Contract.objects.filter(scope=scope).delete()
-            scope.delete()
+                cleanup(made)
 
     # -- LiteLLM's side ----------------------------------------------------------------------------
 
