@@ -121,6 +121,9 @@ class DesiredModel:
     waiting: int = 0  # requests waiting now for a model with no replica (an on-demand load)
     waiting_since: float | None = None  # when the oldest of those began waiting
     extra: int = 0  # replicas added for load (scaling.step keeps it)
+    # How the recovery ladder's last rung runs it (level 2: the smallest context, one slot, on the CPU
+    # where its engine can); empty: as its own profiles.
+    minimal: tuple[Profile, ...] = ()
 
     @property
     def effective_class(self) -> str:

@@ -10,6 +10,7 @@ did not fit; a last fill; unschedulable models with their first reason; evidence
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 from scheduler.policy import preemption, recovery
@@ -108,6 +109,8 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         if step.fallback:
             substitute = models[recovery.usable_fallbacks(model.id, model.fallbacks, models)[0]]  # the step exists only when one does
             source, serves_for = substitute, substitute.id
+        if step.level >= recovery.MINIMAL_FOOTPRINT and source.minimal:
+            source = dataclasses.replace(source, profiles=source.minimal)  # the last rung's footprint
         profiles = tuple(ordered_profiles(source))
         have = len(by_model.get(model.id, []))
         for slot in range(missing):
@@ -273,7 +276,6 @@ def apply_to_fleet(snapshot: Snapshot, plan: Plan) -> Fleet:
 
 def apply(snapshot: Snapshot, plan: Plan) -> Snapshot:
     """The snapshot after a plan is applied as Serving would: evictions gone, launches starting."""
-    import dataclasses
     gone = {e.replica for e in plan.evictions}
     kept = [r for r in snapshot.replicas if r.id not in gone]
     counts: dict[str, int] = {}

@@ -116,7 +116,7 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
     ``speeds``: measured tokens/s per (model, profile), read for this entry when not given."""
     speeds = speed.measured([entry.name]) if speeds is None else speeds
 
-    ways, servable = [], []
+    ways, servable, minimal = [], [], []
     for index, p in enumerate(entry.profiles or []):
         size = _profile_bytes(entry, p)
         if size is None:
@@ -127,6 +127,12 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
         name = p.get("name") or f"profile-{index}"
         ways.append(Profile(name=name, engine=engine, gpus=gpus, memory_bytes=size, cpu_cores=int(p.get("cores") or 0),
                             priority=int(p.get("priority") or 0), tokens_per_s=speeds.get((entry.name, name))))
+        if gpus and profiles.runs_on_cpu(engine):
+            # The last rung runs it on the CPU: its weights move to host memory. Sized as the GPU
+            # replica's whole footprint (the minimal context and one slot take less): an upper bound.
+            minimal.append(dataclasses.replace(ways[-1], gpus=0, memory_bytes=size * gpus, tokens_per_s=None))
+        else:
+            minimal.append(ways[-1])
     if not ways:
         return None
     draft = None
@@ -137,7 +143,7 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
         draft = Draft(entry.draft, added)
     return DesiredModel(entry.name, tuple(ways), Scaling(min=0, max=entry.scaling_max),
                         capacity_class=entry.service_class, owner=entry.owner.path if entry.owner else "",
-                        fingerprint=entry.fingerprint, draft=draft)
+                        fingerprint=entry.fingerprint, draft=draft, minimal=tuple(minimal))
 
 
 def _draft_bytes(entry: ModelEntry, profile: dict) -> int | None:

@@ -2,6 +2,8 @@
 fallback is launched once at the minimal footprint (level 2) and parked when that fails too; a model
 with a fallback falls back as before."""
 
+import dataclasses
+
 import pytest
 
 from scheduler.policy import recovery
@@ -75,3 +77,21 @@ def test_a_crash_after_the_degraded_relaunch_is_retried_degraded_not_minimal():
     state = failures("oom", "crash")
     step = recovery.next_step(llm(), state)
     assert (step.action, step.level) == (recovery.RETRY, 1)  # the level reached is kept; crashes have no rung
+
+
+def test_a_gpu_model_reaching_the_last_rung_is_placed_on_the_cpu_where_its_engine_can():
+    from scheduler.policy.inputs import AcceleratorInfo
+
+    gpu = Profile("gpu", "llamacpp", 1, 6 * GIB)
+    cpu_sized = Profile("gpu", "llamacpp", 0, 6 * GIB)  # what Serving supplies as the minimal footprint
+    model = DesiredModel("m", (gpu,), fingerprint="f1", minimal=(cpu_sized,))
+    node = NodeInfo("box", engines=frozenset({"llamacpp"}), cpu_count=8, memory_bytes=32 * GIB,
+                    accelerators=(AcceleratorInfo("gpu-0", 0, memory_bytes=8 * GIB),))
+    degraded = schedule(Snapshot(NOW, (node,), (model,), failures={"m": failures("oom")}))
+    [on_gpu] = degraded.launches
+    assert on_gpu.level == 1 and on_gpu.accelerators == ("gpu-0",)  # the degraded relaunch stays on its GPU
+    [minimal] = schedule(Snapshot(NOW, (node,), (model,), failures={"m": failures("oom", "oom")})).launches
+    assert minimal.level == 2 and minimal.accelerators == ()  # the last rung: host memory, no GPU
+    without = dataclasses.replace(model, minimal=())
+    [as_is] = schedule(Snapshot(NOW, (node,), (without,), failures={"m": failures("oom", "oom")})).launches
+    assert as_is.accelerators == ("gpu-0",)  # a model Serving gives no minimal footprint keeps its profile
