@@ -133,6 +133,14 @@ def visible_to(caller: Any, queryset: QuerySet, scope_field: str = "scope") -> Q
     return visible_by_path(caller, queryset, f"{scope_field}__path" if scope_field else "path")
 
 
+def visible_owned(caller: Any, queryset: QuerySet, field: str = "owner") -> QuerySet:
+    """Rows that belong to a scope (``field``) the caller may see; rows of no scope are Berth's own
+    (placement's replicas, shared fetches), for superusers only."""
+    if is_superuser(caller):
+        return queryset
+    return visible_to(caller, queryset.filter(**{f"{field}__isnull": False}), field)
+
+
 def visible_by_path(caller: Any, queryset: QuerySet, field: str = "scope_path") -> QuerySet:
     """``visible_to`` for rows that keep their scope's path (``field``) rather than a link to it, as
     audit events and usage records do: the scope may be gone since, the path stays."""

@@ -1,4 +1,6 @@
-"""The catalog and mirror under /api/serving/: models, files, fetch jobs, and the hub (search, files)."""
+"""The catalog and mirror under /api/serving/: models, files, fetch jobs, and the hub (search, files).
+Rows are narrowed by the catalog's rules (``entries.visible_entries``, ``queries.visible_jobs``) in
+the management API's base viewset (``tenancy.api.base``); bodies are read by its ``parsed``."""
 
 from __future__ import annotations
 
@@ -6,15 +8,13 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from berth.errors import PermissionDenied
 from serving.catalog import entries, fetch, hub, placing, profiles, queries, room, servability, speed
 from serving.control import serve_model as serve
 from serving.models import FetchJob, ModelEntry, ModelFile
 from tenancy import access
-from tenancy.audit import Actor
-from tenancy.models import Scope
+from tenancy.api.base import TenancyViewSet
 from tenancy.services.tree import resolve_scope
 
 
@@ -109,20 +109,24 @@ class FetchInputSerializer(serializers.Serializer):
     allow_pickle = serializers.BooleanField(required=False, default=False)
 
 
-def _owner(request, written):
-    return resolve_scope(written, access.visible_to(request.user, Scope.objects.all(), "")) if written else None
+class EntryViewSet(TenancyViewSet):
+    """Catalog entries (and what hangs off them) the caller sees: shared ones and those of scopes
+    within their reach (``entries.visible_entries``)."""
+
+    def visible_entries(self):
+        return entries.visible_entries(self.request.user).values("pk")
 
 
-class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, EntryViewSet):
     """Models the catalog holds; changing their placement; their servability; removing their files;
     garbage collection."""
 
+    queryset = ModelEntry.objects.select_related("owner").prefetch_related("files__node")
     serializer_class = ModelEntrySerializer
-    lookup_field = "public_id"
     http_method_names = ["get", "post", "patch", "head", "options"]
 
-    def get_queryset(self):
-        return entries.visible_entries(self.request.user).prefetch_related("files__node")
+    def narrow(self, queryset):
+        return queryset.filter(pk__in=self.visible_entries())
 
     def get_serializer_context(self):
         context = super().get_serializer_context()
@@ -134,20 +138,14 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
     def partial_update(self, request, public_id=None):
         """Change the minimum, maximum, capacity class, idle timeout, pin, fallbacks, draft, output cap or owner —
         the console card's rules: a refusal names the field in ``details.problems``."""
-        parsed = ModelPlacementSerializer(data=request.data, partial=True)
-        # A field this endpoint does not change is refused, not ignored: a caller who sends ``name``
-        # must learn that the model was not renamed.
-        unknown = set(request.data) - set(parsed.fields) if hasattr(request.data, "keys") else set()
-        if unknown:
-            raise serializers.ValidationError({name: ["Not changed here."] for name in sorted(unknown)})
-        parsed.is_valid(raise_exception=True)
-        values = dict(parsed.validated_data)
-        target = self.get_object()
+        # A field this endpoint does not change (``name``) is refused: the caller learns that the
+        # model was not renamed.
+        values = dict(self.parsed(ModelPlacementSerializer, partial=True))
         # With its deployments: what runs counts toward a raised minimum.
-        entry = next(e for e in queries.held_entries(request.user, verdicts=False) if e.pk == target.pk)
+        entry = queries.held(request.user, [self.get_object()], verdicts=False)[0]
         owner = placing.resolve_owner(request.user, values.pop("owner")) if "owner" in values else placing.KEEP
-        entry = placing.change(Actor.from_request(request), entry, values, owner=owner)
-        return Response(ModelEntrySerializer(entry).data)
+        entry = placing.change(self.actor, entry, values, owner=owner)
+        return self.render(entry)
 
     @extend_schema(request=None, responses={200: dict})
     @action(detail=True, methods=["get"])
@@ -159,8 +157,7 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
     @action(detail=True, methods=["get"])
     def room(self, request, public_id=None):
         """Where the model runs, and how many more replicas fit where (headroom, or the fit planner)."""
-        target = self.get_object()  # first: one outside the caller's reach is a 404, not an empty search
-        entry = next(e for e in queries.held_entries(request.user) if e.pk == target.pk)
+        entry = queries.held(request.user, [self.get_object()])[0]
         more = room.room_for_more(entry)
         return Response({"placement": entry.placement, "more": more.more, "nodes": more.nodes,
                          "blocked": more.blocked, "source": more.source, "per_replica_bytes": more.per_replica_bytes,
@@ -169,49 +166,49 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, view
     @extend_schema(request=None, responses={200: dict})
     @action(detail=True, methods=["post"], url_path="remove-files")
     def remove_files(self, request, public_id=None):
-        return Response({"removed": entries.remove_files(Actor.from_request(request), self.get_object())})
+        return Response({"removed": entries.remove_files(self.actor, self.get_object())})
 
     @extend_schema(request=None, responses={200: dict})
     @action(detail=False, methods=["post"], url_path="garbage-collect")
     def garbage_collect(self, request):
         if not access.is_superuser(request.user):
             raise PermissionDenied("Only administrators collect the mirror's garbage.")
-        return Response(entries.garbage_collect(Actor.from_request(request)))
+        return Response(entries.garbage_collect(self.actor))
 
 
-class ModelFileViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+class ModelFileViewSet(mixins.ListModelMixin, EntryViewSet):
+    """The files of the models the caller sees."""
+
+    queryset = ModelFile.objects.select_related("node")
     serializer_class = ModelFileSerializer
 
-    def get_queryset(self):
-        visible = entries.visible_entries(self.request.user).values("pk")
-        return ModelFile.objects.filter(model__in=visible).select_related("node")
+    def narrow(self, queryset):
+        return queryset.filter(model__in=self.visible_entries())
 
 
-class FetchJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class FetchJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenancyViewSet):
     """Fetches from the hub: start one (refused up front with the reason), follow it, resume it."""
 
+    queryset = FetchJob.objects.select_related("owner", "model")
     serializer_class = FetchJobSerializer
-    lookup_field = "public_id"
 
-    def get_queryset(self):
-        return queries.visible_jobs(self.request.user).select_related("model")
+    def narrow(self, queryset):
+        return queries.visible_jobs(self.request.user, queryset)
 
     @extend_schema(request=FetchInputSerializer, responses={202: FetchJobSerializer})
     def create(self, request):
-        data = FetchInputSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        values = data.validated_data
-        job = fetch.start(Actor.from_request(request), fetch.FetchRequest(
+        values = self.parsed(FetchInputSerializer)
+        owner = resolve_scope(values["owner"], self.visible_scopes()) if values["owner"] else None
+        job = fetch.start(self.actor, fetch.FetchRequest(
             repo=values["repo"], revision=values["revision"], quant=values["quant"] or None,
             file=values["file"] or None, patterns=tuple(values["patterns"]), name=values["name"] or None,
-            owner=_owner(request, values["owner"]), allow_pickle=values["allow_pickle"]))
-        return Response(FetchJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+            owner=owner, allow_pickle=values["allow_pickle"]))
+        return self.render(job, status_code=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: FetchJobSerializer})
     @action(detail=True, methods=["post"])
     def resume(self, request, public_id=None):
-        job = fetch.resume(Actor.from_request(request), self.get_object())
-        return Response(FetchJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+        return self.render(fetch.resume(self.actor, self.get_object()), status_code=status.HTTP_202_ACCEPTED)
 
 
 class HubViewSet(viewsets.ViewSet):
@@ -244,13 +241,12 @@ class ServeInputSerializer(serializers.Serializer):
     on_demand = serializers.BooleanField(required=False, default=False)
 
 
-class ServeView(APIView):
+class ServeViewSet(TenancyViewSet):
     """Serve a hub model in one command: the job ``manage.py serve_model`` runs, on the control
-    queue. 202 with the job's row; follow it at ``catalog/fetches/<id>/`` (its ``steps``)."""
+    queue. 202 with the job's row; follow it at ``catalog/fetches/<id>/`` (its ``steps``). A viewset
+    (POST only) for the base's ``parsed``: a field the command does not take is refused."""
 
     @extend_schema(request=ServeInputSerializer, responses={202: FetchJobSerializer})
-    def post(self, request):
-        data = ServeInputSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        job = serve.start_from_values(Actor.from_request(request), request.user, data.validated_data)
-        return Response(FetchJobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+    def create(self, request):
+        job = serve.start_from_values(self.actor, request.user, self.parsed(ServeInputSerializer))
+        return self.render(job, FetchJobSerializer, status.HTTP_202_ACCEPTED)

@@ -11,5 +11,5 @@ router.register("catalog/files", catalog_api.ModelFileViewSet, basename="catalog
 router.register("catalog/fetches", catalog_api.FetchJobViewSet, basename="catalog-fetch")
 router.register("hub", catalog_api.HubViewSet, basename="hub")
 urlpatterns = router.urls + [
-    path("serve/", catalog_api.ServeView.as_view(), name="serve"),
+    path("serve/", catalog_api.ServeViewSet.as_view({"post": "create"}), name="serve"),
 ]

@@ -286,9 +286,7 @@ def visible_deployments(caller):
     """Deployments whose owner scope the caller may see; ownerless ones are for administrators.
     The console and the API list and look up deployments through this one narrowing."""
     queryset = Deployment.objects.select_related("node", "owner").prefetch_related("replica_set__node")
-    if access.is_superuser(caller):
-        return queryset
-    return access.visible_to(caller, queryset.filter(owner__isnull=False), "owner")
+    return access.visible_owned(caller, queryset)
 
 
 def require(actor: Actor, action: str, deployment: Deployment) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
-from django.http import Http404
 from django.shortcuts import redirect
 from django.views import View
 
 from berth.errors import BerthError
-from berth.htmx import PageView, render_page
+from berth.htmx import render_page
 from serving.catalog import entries, fetch, hub, placing, profiles, queries, room, servability
 from serving.catalog.errors import HubUnreachable
 from serving.control import serve_model as serve
@@ -19,11 +18,23 @@ from serving.models.states import LOADABLE
 from serving.views.catalog_tables import FetchJobTable, FileTable, HeldTable
 from tenancy import access
 from tenancy.audit import Actor
+from tenancy.console import ConsolePage
 from tenancy.models import Scope
 from tenancy.services.tree import resolve_scope
 
 
-class HeldView(LoginRequiredMixin, PageView):
+class EntryMixin:
+    """Catalog entries, narrowed by the catalog's one rule (``entries.visible_entries``: shared ones
+    and those of scopes the caller sees)."""
+
+    model = ModelEntry
+    queryset = ModelEntry.objects.select_related("owner").prefetch_related("files")
+
+    def narrow(self, queryset):
+        return queryset.filter(pk__in=entries.visible_entries(self.request.user).values("pk"))
+
+
+class HeldView(EntryMixin, ConsolePage):
     template_name = "serving/catalog/held.html"
     fragment_template_name = "serving/catalog/held_table.html"
 
@@ -32,7 +43,7 @@ class HeldView(LoginRequiredMixin, PageView):
         jobs = list(queries.visible_jobs(self.request.user)[:20])
         running = [j for j in jobs if j.status in ("queued", "running")]
         counts = {"held": 0, "downloading": len(running), "failed": sum(j.status == "failed" for j in jobs)}
-        rows = queries.held_entries(self.request.user)
+        rows = queries.held(self.request.user, list(self.get_queryset()))
         counts["held"] = len(rows)
         context.update(table=HeldTable(rows), jobs=FetchJobTable(jobs), counts=counts, polling=bool(running), tab="held")
         return context
@@ -44,7 +55,7 @@ class HeldView(LoginRequiredMixin, PageView):
         return response
 
 
-class ModelCardView(LoginRequiredMixin, PageView):
+class ModelCardView(EntryMixin, ConsolePage):
     """A held model: servability, replicas, the room for more, its placement (a form) and files.
 
     A refused placement re-shows the form as typed, each problem under the field it concerns."""
@@ -52,11 +63,8 @@ class ModelCardView(LoginRequiredMixin, PageView):
     template_name = "serving/catalog/card.html"
 
     def entry(self):
-        entry = next((e for e in queries.held_entries(self.request.user) if str(e.public_id) == str(self.kwargs["public_id"])),
-                     None)
-        if entry is None:
-            raise Http404("No such model, or it is outside your reach.")
-        return entry
+        """The model with what runs it (404 outside the caller's reach)."""
+        return queries.held(self.request.user, [self.get_object()])[0]
 
     def get_context_data(self, **kwargs):
 
@@ -224,18 +232,21 @@ class ServeView(LoginRequiredMixin, View):
         return redirect("serving:catalog-job", public_id=job.public_id)
 
 
-class JobView(LoginRequiredMixin, PageView):
+class JobView(ConsolePage):
     """One fetch or serve job: each step and file as it changes. htmx polls the fragment while
     the job runs; once it has ended the fragment carries no trigger and answers 286 (stop)."""
 
+    model = FetchJob
+    queryset = FetchJob.objects.select_related("owner", "model")
     template_name = "serving/catalog/job.html"
     fragment_template_name = "serving/catalog/job_status.html"
 
+    def narrow(self, queryset):
+        return queries.visible_jobs(self.request.user, queryset)
+
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        job = queries.visible_jobs(self.request.user).select_related("model").filter(public_id=self.kwargs["public_id"]).first()
-        if job is None:
-            raise Http404("No such job, or it is outside your reach.")
+        job = self.get_object()
         running = job.status in (FetchJob.Status.QUEUED, FetchJob.Status.RUNNING)
         context.update(job=job, polling=running, tab="fetch")
         return context

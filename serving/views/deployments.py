@@ -9,42 +9,61 @@ from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.http import Http404
 from django.shortcuts import redirect
+from django.urls import reverse
 from django.views import View
 
-from berth.errors import BerthError
-from berth.htmx import PageView, render_page
+from berth.errors import BerthError, InvalidInput
+from berth.htmx import render_page
 from serving.deployments import gate, operations, service
+from serving.deployments.filters import DeploymentFilterSet
 from serving.deployments.service import visible_deployments
-from serving.models import DeploymentState as S, Operation
+from serving.models import Deployment, DeploymentState as S, Operation
 from serving.models.states import SETTLED
 from serving.views.forms import DeployForm
 from serving.views.live import deployment_events
 from serving.views.tables import DeploymentTable, EventTable, OperationTable
 from tenancy import access
 from tenancy.audit import Actor
+from tenancy.console import ConsolePage, ObjectAction, filtered
 from tenancy.models import Scope
 from tenancy.services.tree import resolve_scope
 
 
-class DeploymentsView(LoginRequiredMixin, PageView):
+class DeploymentMixin:
+    """Deployments, narrowed by serving's one rule (``visible_deployments``: those whose owner scope
+    the caller sees; ownerless ones for administrators), with what the pages show of each."""
+
+    model = Deployment
+    queryset = Deployment.objects.select_related("node", "owner").prefetch_related("replica_set__node")
+
+    def narrow(self, queryset):
+        return queryset.filter(pk__in=visible_deployments(self.request.user).values("pk"))
+
+
+class DeploymentsView(DeploymentMixin, ConsolePage):
+    """The deployments, filtered by the FilterSet the API's list reads; the table refreshes itself
+    through the same URL's fragment, filters included."""
+
     template_name = "serving/deployments.html"
     fragment_template_name = "serving/deployments_table.html"
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context["table"] = DeploymentTable(visible_deployments(self.request.user))
+        filterset = DeploymentFilterSet(self.request.GET, queryset=self.get_queryset())
+        chosen = any(filterset.data.get(name) for name in filterset.filters)
+        context["filterset"] = filterset
+        context["table"] = DeploymentTable(filtered(filterset),
+                                           empty_message="No deployments match these filters." if chosen else None)
         return context
 
 
-class DeploymentView(LoginRequiredMixin, PageView):
+class DeploymentView(DeploymentMixin, ConsolePage):
     template_name = "serving/deployment.html"
     fragment_template_name = "serving/deployment_live.html"
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        deployment = visible_deployments(self.request.user).filter(public_id=kwargs["public_id"]).first()
-        if deployment is None:
-            raise Http404("No such deployment, or it is outside your reach.")
+        deployment = self.get_object()
         events = list(deployment.events.all())
         operations = Operation.objects.filter(source=deployment) | Operation.objects.filter(target=deployment)
         context.update(deployment=deployment, events=EventTable(reversed(events)),
@@ -55,27 +74,37 @@ class DeploymentView(LoginRequiredMixin, PageView):
         return context
 
 
-class DeploymentActionView(LoginRequiredMixin, View):
-    """POST stop / start / remove on one deployment, then back to where the person was."""
+def _back_to(deployment) -> str:
+    return reverse("serving:deployment", kwargs={"public_id": deployment.public_id})
 
+
+class DeploymentActionView(DeploymentMixin, ObjectAction):
+    """POST stop / start / sleep / wake / remove on one deployment, then back to its page (to the
+    list once removed). A refusal, even "not allowed", is said on the deployment's page."""
+
+    page_refusals = ()
     verbs = {"stop": service.stop, "start": service.start, "remove": service.remove, "sleep": service.sleep,
              "wake": service.wake}
 
-    def post(self, request, public_id, verb):
-        deployment = visible_deployments(request.user).filter(public_id=public_id).first()
-        if deployment is None or verb not in self.verbs:
-            raise Http404("No such deployment, or it is outside your reach.")
-        try:
-            done = self.verbs[verb](Actor.from_request(request), deployment)
-        except BerthError as error:
-            messages.error(request, error.message)
-            return redirect("serving:deployment", public_id=public_id)
+    def post(self, request, *args, **kwargs):
+        if kwargs["verb"] not in self.verbs:
+            raise Http404("No such action.")
+        return super().post(request, *args, **kwargs)
+
+    def perform(self, deployment, data):
+        verb = self.kwargs["verb"]
+        done = self.verbs[verb](self.actor, deployment)
         if verb == "wake":
-            self.say_how_the_wake_stands(request, done)
+            self.say_how_the_wake_stands(self.request, done)
         if verb == "remove":
-            messages.success(request, f"{deployment.name} removed.")
-            return redirect("serving:index")
-        return redirect("serving:deployment", public_id=public_id)
+            messages.success(self.request, f"{deployment.name} removed.")
+            return deployment  # gone: the list is where to go back to (``success_url``)
+        return done
+
+    def success_url(self, deployment, result):
+        if result is not None and self.kwargs["verb"] == "remove":
+            return reverse("serving:index")
+        return _back_to(deployment)
 
     @staticmethod
     def say_how_the_wake_stands(request, deployment) -> None:
@@ -88,26 +117,27 @@ class DeploymentActionView(LoginRequiredMixin, View):
                                    "its turn." if position else f"{deployment.name} is waking.")
 
 
-class ReconfigureView(LoginRequiredMixin, View):
+class ReconfigureView(DeploymentMixin, ObjectAction):
     """Change engine settings in place. Refused at once when the new settings would not fit in A's
-    place; otherwise the switch runs in the background and rolls back on failure."""
+    place; otherwise the switch runs in the background and rolls back on failure. Either way back
+    to the deployment's page, which says how it went."""
 
-    def post(self, request, public_id):
-        deployment = visible_deployments(request.user).filter(public_id=public_id).first()
-        if deployment is None:
-            raise Http404("No such deployment, or it is outside your reach.")
+    page_refusals = ()
+
+    def perform(self, deployment, data):
         try:
-            patch = json.loads(request.POST.get("config") or "{}")
-            if not isinstance(patch, dict):
-                raise ValueError("a JSON object")
-            operations.reconfigure(Actor.from_request(request), deployment, patch)
-            messages.success(request, f"Reconfiguring {deployment.name}: the new settings fit, so it restarts with "
-                                      "them (with the old ones again if they fail).")
+            patch = json.loads(self.request.POST.get("config") or "{}")
         except ValueError as error:
-            messages.error(request, f"The settings must be a JSON object: {error}")
-        except BerthError as error:
-            messages.error(request, error.message)
-        return redirect("serving:deployment", public_id=public_id)
+            raise InvalidInput(f"The settings must be a JSON object: {error}") from None
+        if not isinstance(patch, dict):
+            raise InvalidInput('The settings must be a JSON object, e.g. {"context": 4096}.')
+        operation = operations.reconfigure(self.actor, deployment, patch)
+        messages.success(self.request, f"Reconfiguring {deployment.name}: the new settings fit, so it restarts with "
+                                       "them (with the old ones again if they fail).")
+        return operation
+
+    def success_url(self, deployment, result):
+        return _back_to(deployment)
 
 
 class DeployView(LoginRequiredMixin, View):

@@ -43,3 +43,27 @@ def test_another_org_sees_neither_the_model_nor_its_verdict(client, personas, ow
     held = client.get("/models/held/")
     assert held.status_code == 200 and b"tiny-owned" not in held.content and b"fits nowhere" not in held.content
     assert client.get(f"/api/serving/catalog/models/{owned.public_id}/room/").status_code == 404
+
+
+def test_a_tenants_own_deployment_of_a_shared_models_file_is_shown_to_that_tenant_alone(mirror_root, tiny_model,
+                                                                                         personas):
+    from scheduler.services import NodeReport, register_node
+    from serving.catalog import queries
+    from serving.models import Deployment, Replica
+
+    shared = entries.import_local(ADMIN, tiny_model, name="tiny-shared")
+    node = register_node(NodeReport(name="cpu-held", address="127.0.0.1", cpu_count=4))
+    path = shared.profiles[0]["file"]
+    mine = Deployment.objects.create(name="acme-copy", model_path=path, node=node, owner=personas.acme.project)
+    Replica.objects.create(deployment=mine, node=node, port=18100, state="ready")
+    served = Deployment.objects.create(name="tiny-shared", model_path=path, node=node)  # the model itself
+    Replica.objects.create(deployment=served, node=node, port=18101, state="ready")
+
+    def what_runs(user):
+        [entry] = [e for e in queries.held_entries(user, verdicts=False) if e.pk == shared.pk]
+        return {d.name for d in entry.deployments}
+
+    assert what_runs(personas.olivia) == {"acme-copy", "tiny-shared"}
+    assert what_runs(personas.oscar) == {"tiny-shared"}  # another tenant's deployment is not theirs to see
+    card = queries.held(personas.oscar, [shared])[0]
+    assert card.placement["ready"] == 1 and card.placement["nodes"] == ["cpu-held"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from django.utils.html import escape
 
 from scheduler.services import NodeReport, register_node
 from serving import queues
@@ -284,3 +285,61 @@ def test_wizard_offers_a_plan_that_stops_a_resident_and_deploys_after_it(client,
     assert response.status_code == 302
     operation = Operation.objects.get()
     assert operation.kind == "deploy" and operation.request["actions"] == [{"kind": "stop", "target": "sitting"}]
+
+
+def test_a_body_with_a_field_the_endpoint_does_not_take_is_refused_naming_it_and_changes_nothing(
+        client, personas, node, model, no_agent):
+    from serving.models import Operation
+
+    client.force_login(personas.max)
+    body = {"name": "tiny", "model_path": str(model), "node": node.name, "owner": "project:acme/ml/search",
+            "config": {"context": 256}}
+    for url in ("/api/serving/deployments/", "/api/serving/deployments/preview/"):
+        refused = client.post(url, {**body, "replicas": 3}, content_type="application/json")
+        assert refused.status_code == 400, refused.content
+        assert refused.json()["error"]["details"] == {"replicas": ["This field is not accepted here."]}
+    assert not Deployment.objects.exists() and no_agent == []
+    deployment = service.deploy(Actor(user=personas.max), service.DeployRequest(
+        name="tiny", model_path=str(model), node=node, config={"context": 256}, owner=personas.acme.project))
+    Deployment.objects.filter(pk=deployment.pk).update(state="ready")
+    url = f"/api/serving/deployments/{deployment.public_id}/"
+    for verb, sent in (("switch", {"model_path": str(model), "name": "renamed"}),
+                       ("reconfigure", {"config": {"context": 512}, "node": "cpu-02"})):
+        refused = client.post(url + f"{verb}/", sent, content_type="application/json")
+        assert refused.status_code == 400 and list(refused.json()["error"]["details"]) == [
+            next(iter(set(sent) - {"model_path", "config"}))], refused.content
+    assert not Operation.objects.exists()
+
+
+def test_a_deployment_is_found_by_its_id_only_and_an_outsider_is_told_404_whatever_the_body(
+        client, personas, node, model, no_agent):
+    deployment = service.deploy(Actor(user=personas.max), service.DeployRequest(
+        name="tiny", model_path=str(model), node=node, config={"context": 256}, owner=personas.acme.project))
+    client.force_login(personas.max)
+    assert client.get(f"/api/serving/deployments/{deployment.public_id.hex}/").status_code == 200
+    for other in ("tiny", str(deployment.pk), "not-a-uuid"):
+        assert client.get(f"/api/serving/deployments/{other}/").status_code == 404
+    client.force_login(personas.oscar)
+    for verb, sent in (("reconfigure", {}), ("reconfigure", {"config": {"context": 512}, "colour": "blue"}),
+                       ("switch", {"model_path": str(model)})):
+        answer = client.post(f"/api/serving/deployments/{deployment.public_id}/{verb}/", sent,
+                             content_type="application/json")
+        assert answer.status_code == 404 and "tiny" not in answer.content.decode()
+
+
+def test_console_actions_say_a_refusal_on_the_deployment_page_and_remove_goes_back_to_the_list(
+        client, personas, node, model, no_agent):
+    deployment = service.deploy(Actor(user=personas.max), service.DeployRequest(
+        name="tiny", model_path=str(model), node=node, config={"context": 256}, owner=personas.acme.project))
+    page = f"/models/deployments/{deployment.public_id}/"
+    client.force_login(personas.vera)  # a viewer: sees it, may not stop it
+    refused = client.post(page + "stop/", follow=True)
+    assert refused.redirect_chain == [(page, 302)]
+    said = [m.message for m in refused.context["messages"]]
+    assert len(said) == 1 and escape(said[0]) in refused.content.decode()
+    assert Deployment.objects.get(pk=deployment.pk).state == "planned"
+    assert client.post(page + "explode/").status_code == 404
+    client.force_login(personas.max)
+    removed = client.post(page + "remove/", follow=True)  # planned: nothing runs, it may go at once
+    assert removed.redirect_chain == [("/models/", 302)] and "tiny removed." in removed.content.decode()
+    assert not Deployment.objects.filter(pk=deployment.pk).exists()

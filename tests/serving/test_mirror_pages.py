@@ -84,3 +84,36 @@ def test_api_starts_a_fetch_and_reads_the_hub(client, admin_user, hub, mirror_ro
     assert [m["name"] for m in rows] == ["api"] and rows[0]["files"][0]["verified"]
     refused = client.post("/api/serving/catalog/fetches/", {"repo": "acme/Nope"}, content_type="application/json")
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "repository_not_found"
+
+
+def test_a_fetch_or_serve_body_with_a_field_they_do_not_take_is_refused_naming_it(client, admin_user, hub,
+                                                                                   mirror_root, tmp_path):
+    hub.add("acme/Api-GGUF", {"api-Q4_K_M.gguf": write_gguf(tmp_path / "a.gguf", ModelShape()).read_bytes()})
+    client.force_login(admin_user)
+    for url, body in (("/api/serving/catalog/fetches/", {"repo": "acme/Api-GGUF", "quantisation": "Q4_K_M"}),
+                      ("/api/serving/serve/", {"repo": "acme/Api-GGUF", "replicas": 2})):
+        refused = client.post(url, body, content_type="application/json")
+        assert refused.status_code == 400, refused.content
+        unknown = next(name for name in body if name != "repo")
+        assert refused.json()["error"]["details"] == {unknown: ["This field is not accepted here."]}
+    assert not FetchJob.objects.exists() and not hub.requests
+
+
+def test_the_card_and_a_job_of_another_tenant_are_404_as_ones_that_do_not_exist(client, personas, mirror_root,
+                                                                                 tiny_model):
+    import uuid
+
+    theirs = entries.import_local(Actor(system="tests"), tiny_model, name="tiny-globex",
+                                  owner=personas.globex.project)
+    job = FetchJob.objects.create(repo="globex/secret", owner=personas.globex.project, status="failed")
+    client.force_login(personas.max)
+    for url in (f"/models/held/{theirs.public_id}/", f"/models/jobs/{job.public_id}/",
+                f"/models/held/{uuid.uuid4()}/", f"/models/jobs/{uuid.uuid4()}/"):
+        assert client.get(url).status_code == 404, url
+    assert b"tiny-globex" not in client.get("/models/held/").content
+    for url in (f"/api/serving/catalog/models/{theirs.public_id}/", f"/api/serving/catalog/fetches/{job.public_id}/",
+                "/api/serving/catalog/models/tiny-globex/", f"/api/serving/catalog/fetches/{job.pk}/"):
+        assert client.get(url).status_code == 404, url
+    client.force_login(personas.oscar)
+    assert client.get(f"/models/held/{theirs.public_id}/").status_code == 200
+    assert client.get(f"/models/jobs/{job.public_id}/").status_code == 200
