@@ -24,9 +24,12 @@ def navigation(request):
 
 
 def memory_banner(request):
-    """Nodes whose memory the watchdog rates warning or critical, for the banner on every page."""
+    """Nodes whose memory the watchdog rates warning or critical, for the banner on every page (or,
+    while the cache cannot be read, that the levels are not known)."""
     if not getattr(request, "user", None) or not request.user.is_authenticated:
         return {}
-    alerts = [(name, level) for name, level in levels(Node.objects.only("pk", "name")).items()
-              if level in ("warning", "critical")]
+    known = levels(Node.objects.only("pk", "name"))
+    if known is None:  # the cache (Redis) is away: say so, rather than show no alert as if all were well
+        return {"memory_alerts": [], "memory_levels_unknown": True}
+    alerts = [(name, level) for name, level in known.items() if level in ("warning", "critical")]
     return {"memory_alerts": alerts}

@@ -128,10 +128,18 @@ else:
         raise ImproperlyConfigured(f"DATABASE_URL cannot be parsed: {exc}") from exc
     if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         DATABASES["default"].update(CONN_MAX_AGE=0, OPTIONS=SQLITE_OPTIONS)
+    elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # A database that does not answer is an error within seconds, not a request held until the
+        # kernel gives up on the connection (what rides it out — the gateway's keys and routing, the
+        # supervisor — needs the error to act on).
+        DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout", 5)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if REDIS_URL:
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+    # A stalled Redis is an error within a second, so a console page says what it cannot show
+    # rather than hang (the cache holds no record: losing it costs a banner or a placement hint).
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "OPTIONS": {"socket_timeout": 1, "socket_connect_timeout": 1}}}
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
                           "LOCATION": DATA_DIR / "cache"}}
@@ -276,6 +284,13 @@ except ValueError:
 # How long an authenticated key is trusted in-process before the database is asked again (seconds);
 # a revocation reaches every process at once over Redis, expiry and disabling within this window.
 GATEWAY_AUTH_CACHE_SECONDS = env.integer("BERTH_GATEWAY_AUTH_CACHE_SECONDS", 5, minimum=0, maximum=300)
+# While the database cannot be reached, a key read before keeps being trusted this much longer after its
+# reading expired (seconds; 0: not at all). Revocations heard over Redis meanwhile still apply at once;
+# a key not read within the window gets 503 `database_unavailable` with Retry-After.
+GATEWAY_AUTH_STALE_SECONDS = env.integer("BERTH_GATEWAY_AUTH_STALE_SECONDS", 300, minimum=0, maximum=86_400)
+# How long the limiter waits for Redis (connect, and each reply) before refusing with 503
+# `limiter_unavailable`: a stalled Redis costs a limited request this much, not a hang.
+GATEWAY_REDIS_TIMEOUT = env.integer("BERTH_GATEWAY_REDIS_TIMEOUT_MS", 250, minimum=10, maximum=60_000) / 1000
 GATEWAY_ROUTING_TTL = env.integer("BERTH_GATEWAY_ROUTING_TTL_MS", 1500, minimum=50, maximum=60_000) / 1000
 GATEWAY_MAX_BODY_BYTES = env.integer("BERTH_GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
 # Admission while a model loads: waiting requests per model and process, and how long each waits.

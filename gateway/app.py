@@ -52,7 +52,7 @@ from gateway.errors import (
     UpstreamTimeout,
     shown,
 )
-from gateway.limits import Limiter, LocalLimiter
+from gateway.limits import Limiter, LocalLimiter, limiter_client
 from gateway.threads import run_db
 from gateway.upstream import Balancer
 from gateway.usage import UsageRecorder
@@ -206,6 +206,9 @@ class Gateway:
                 import redis.asyncio as aioredis
 
                 self.redis = aioredis.Redis.from_url(self.redis_url, max_connections=256, health_check_interval=30)
+                # The limiter has a client of its own that fails fast (a stalled Redis is 503
+                # `limiter_unavailable` within the timeout); pub/sub on the one above waits for messages.
+                limiter_redis = limiter_client(self.redis_url, settings.GATEWAY_REDIS_TIMEOUT)
             connector = aiohttp.TCPConnector(limit=2000, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
             self.session = aiohttp.ClientSession(connector=connector, skip_auto_headers=("User-Agent",),
                                                  auto_decompress=False)
@@ -215,7 +218,7 @@ class Gateway:
             self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db, loader=splits.load_table)
             lease = settings.GATEWAY_TOTAL_TIMEOUT + 60
             # Without Redis (the embedded mode, one process) the limits are kept in this process.
-            self.limiter = (Limiter(self.redis, lease_seconds=lease) if self.redis is not None
+            self.limiter = (Limiter(limiter_redis, lease_seconds=lease) if self.redis is not None
                             else LocalLimiter(lease_seconds=lease))
             self.balancer = Balancer(settings.GATEWAY_BREAKER_FAILURES, settings.GATEWAY_BREAKER_SECONDS)
             self.recorder = UsageRecorder(settings.GATEWAY_USAGE_FLUSH_MS, settings.GATEWAY_USAGE_BATCH,
@@ -246,7 +249,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.recorder.stop()
-        await self.limiter.drain()
+        await self.limiter.aclose()  # settlements sent, then its client closed
         await self.session.close()
         if self.redis is not None:
             await self.redis.aclose()
@@ -497,8 +500,8 @@ class Gateway:
             admission = await self.limiter.admit(principal.plan, call.request_id)
         except BerthError:
             raise
-        except Exception as exc:  # Redis unreachable: refuse rather than serve unlimited
-            log.warning("rate limiter unavailable: %s", exc)
+        except Exception as exc:  # Redis unreachable or stalled past its timeout: refuse rather than serve unlimited
+            log.warning("rate limiter unavailable: %r", exc)
             raise LimiterUnavailable("Rate limits cannot be checked right now; retry shortly.") from None
         call.extra_headers = admission.headers
         if admission.budget_warning:
@@ -567,7 +570,11 @@ class Gateway:
         return None
 
     async def _admit_while_loading(self, call: Call, route: routing.ModelRoute) -> routing.ModelRoute:
-        """Ask for the model to be loaded and wait, in a bounded queue, up to the admission timeout."""
+        """Ask for the model to be loaded and wait, in a bounded queue, up to the admission timeout;
+        then 503 ``model_loading`` with ``Retry-After`` from its expected load time. An always-on
+        model the reconcile loop is bringing back (``LoadTicket.coming_back``) is waited for the
+        same way; one that will not come up (parked, fits nowhere) is refused at once."""
+        reask_s = 1.0  # while it is not loadable, asked again at most this often per waiting request
         model = route.name
         queued = self.waiting.setdefault(model, {})
         if len(queued) >= self.queue_size:
@@ -578,20 +585,26 @@ class Gateway:
         began = time.perf_counter()
         try:
             ticket = await run_db(ondemand.request_load, model)  # raises NotLoadable: 503, no Retry-After
+            asked = time.perf_counter()  # the ticket's expected seconds count from here
             deadline = began + self.admission_timeout
             while True:
                 table = await self.routing.fresh()
                 current = table.route(model)
                 if current is not None and current.endpoints:
                     return current
-                if current is None or current.state not in LOADABLE:
-                    ticket = await run_db(ondemand.request_load, model)
+                if (current is None or current.state not in LOADABLE) and time.perf_counter() - asked >= reask_s:
+                    ticket = await run_db(ondemand.request_load, model)  # parked meanwhile: refused now
+                    asked = time.perf_counter()
                 left = deadline - time.perf_counter()
                 if left <= 0:
-                    waited = time.perf_counter() - began
-                    retry = max(1, math.ceil(ticket.expected_seconds - waited))
-                    error = ModelLoading(f"{model} is loading; retry in about {retry} s.",
-                                         details={"model": model, "expected_seconds": retry})
+                    retry = max(1, math.ceil(ticket.expected_seconds - (time.perf_counter() - asked)))
+                    details = {"model": model, "expected_seconds": retry}
+                    if ticket.coming_back:
+                        details["reason"] = ticket.coming_back
+                        message = f"{model} is coming back ({ticket.coming_back}); retry in about {retry} s."
+                    else:
+                        message = f"{model} is loading; retry in about {retry} s."
+                    error = ModelLoading(message, details=details)
                     error.headers = [(b"retry-after", str(retry).encode())]
                     raise error
                 await asyncio.sleep(min(0.25, left))

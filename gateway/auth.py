@@ -10,6 +10,13 @@ the change, directly — the embedded mode has no Redis. A load under way when t
 serves only the requests that were already waiting for it: it is not kept, and a request arriving
 later reads the key again. An expiry ends the entry when the key expires; a contract's limits
 change within the window.
+
+While the database cannot be reached (a read fails with a database error, not a refusal), a key read
+before keeps its last reading for ``GATEWAY_AUTH_STALE_SECONDS`` past its expiry in the cache, as the
+routing table keeps its previous copy: what the database said last still answers, and is asked again
+at most once a second per key (a refusal is kept no longer than before). Revocations heard meanwhile still drop it at once, an expiring key
+still ends when it expires, and a lost subscription still forgets everything. A key with no reading
+that recent is answered 503 ``database_unavailable`` with ``Retry-After``, never 500.
 """
 
 from __future__ import annotations
@@ -17,12 +24,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 import time
 
+from django.conf import settings
+from django.db import InterfaceError, OperationalError
+
 from berth.errors import BerthError
+from gateway.errors import DatabaseUnavailable
 from gateway.limits import Budget, Level, Plan
 from gateway.threads import run_db
 from tenancy.services import clients, contracts
+
+log = logging.getLogger(__name__)
+# While the database refuses reads, a key's last reading answers this long before the next try: a flood
+# of requests costs one connection attempt a second per key, not one each.
+RETRY_SECONDS = 1.0
+RETRY_AFTER_SECONDS = 5  # what a key that cannot be checked is told to wait
+WARN_EVERY_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,26 +95,33 @@ def load_principal(plaintext: str) -> tuple[Principal, float | None]:
     return principal, credential.expires_at.timestamp() if credential.expires_at else None
 
 
+def _answer(value: Principal | BerthError) -> Principal:
+    if isinstance(value, BerthError):
+        raise value
+    return value
+
+
 class AuthCache:
-    def __init__(self, ttl: float, max_entries: int = 100_000):
+    def __init__(self, ttl: float, max_entries: int = 100_000, stale: float | None = None):
         self.ttl = ttl
+        # How long past its expiry here an entry may still answer while the database cannot be asked.
+        self.stale = settings.GATEWAY_AUTH_STALE_SECONDS if stale is None else stale
         self.max_entries = max_entries
-        self._entries: dict[bytes, tuple[float, Principal | BerthError]] = {}
+        # digest → (fresh until, kept until for a database outage, principal or refusal); monotonic times
+        self._entries: dict[bytes, tuple[float, float, Principal | BerthError]] = {}
         self._by_lookup: dict[str, set[bytes]] = {}
         self._inflight: dict[bytes, asyncio.Future] = {}
         # Bumped whenever what a load under way read may be stale (a key revoked or changed, a lost
         # subscription): a load begun before is answered but not kept.
         self._generation = 0
+        self._warned_at = float("-inf")
 
     async def principal(self, plaintext: str) -> Principal:
         digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
         entry = self._entries.get(digest)
         now = time.monotonic()
         if entry is not None and entry[0] > now:
-            value = entry[1]
-            if isinstance(value, BerthError):
-                raise value
-            return value
+            return _answer(entry[2])
         pending = self._inflight.get(digest)
         if pending is None:
             pending = asyncio.get_running_loop().create_task(self._load(plaintext, digest, now, self._generation))
@@ -108,29 +134,52 @@ class AuthCache:
             principal, expires_at = await run_db(load_principal, plaintext)
         except BerthError as refusal:
             if generation == self._generation:
-                self._store(digest, refusal, started + self.ttl, None)
+                # A refusal is not kept for an outage: a flood of bad keys must not pile up for minutes.
+                self._store(digest, refusal, started + self.ttl, started + self.ttl, None)
             raise
+        except (OperationalError, InterfaceError) as exc:  # the database is away (refusing, cut off): no verdict
+            return self._last_reading(digest, exc)
         until = started + self.ttl
+        kept = until + self.stale
         if expires_at is not None:
-            until = min(until, started + max(0.0, expires_at - time.time()))
+            ends = started + max(0.0, expires_at - time.time())
+            until, kept = min(until, ends), min(kept, ends)  # an expired key is never served, stale or not
         if generation == self._generation:
-            self._store(digest, principal, until, principal.lookup)
+            self._store(digest, principal, until, kept, principal.lookup)
         return principal
 
-    def _store(self, digest: bytes, value, until: float, lookup: str | None) -> None:
-        if self.ttl <= 0:
-            return
+    def _last_reading(self, digest: bytes, exc: Exception) -> Principal:
+        """The database could not be read: answer from the key's last reading while it may still be
+        trusted (a revocation heard meanwhile has dropped it), else 503 with ``Retry-After``."""
+        now = time.monotonic()
+        entry = self._entries.get(digest)
+        if entry is None or entry[1] <= now:
+            raise DatabaseUnavailable("The database cannot be reached to check this API key; retry shortly.",
+                                      retry_after=RETRY_AFTER_SECONDS) from exc
+        _, kept, value = entry
+        self._entries[digest] = (min(now + RETRY_SECONDS, kept), kept, value)  # asked again in a second
+        if now - self._warned_at >= WARN_EVERY_SECONDS:
+            self._warned_at = now
+            log.warning("the database cannot be reached (%s: %s): API keys are served from their last reading, "
+                        "each for at most %ss past it (BERTH_GATEWAY_AUTH_STALE_SECONDS)", type(exc).__name__,
+                        str(exc).strip().splitlines()[0] if str(exc).strip() else "", self.stale)
+        return _answer(value)
+
+    def _store(self, digest: bytes, value, until: float, kept: float, lookup: str | None) -> None:
+        """Keep ``value``: fresh until ``until``, and until ``kept`` for a database outage."""
+        if kept <= time.monotonic():
+            return  # nothing to keep (no cache lifetime and no stale window, or an expired key)
         if len(self._entries) >= self.max_entries:
             self.purge()
             if len(self._entries) >= self.max_entries:
                 return
-        self._entries[digest] = (until, value)
+        self._entries[digest] = (until, kept, value)
         if lookup:
             self._by_lookup.setdefault(lookup, set()).add(digest)
 
     def purge(self) -> None:
         now = time.monotonic()
-        for digest in [d for d, (until, _) in self._entries.items() if until <= now]:
+        for digest in [d for d, (_, kept, _) in self._entries.items() if kept <= now]:
             del self._entries[digest]
         for lookup in list(self._by_lookup):
             self._by_lookup[lookup] = {d for d in self._by_lookup[lookup] if d in self._entries}

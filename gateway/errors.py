@@ -113,7 +113,26 @@ class UpstreamTimeout(BerthError):
 
 
 class LimiterUnavailable(Unavailable):
+    """Limits or budgets cannot be checked right now (Redis does not answer within
+    ``GATEWAY_REDIS_TIMEOUT``, or a lost budget cannot be rebuilt from the database): refused, never
+    served unlimited; retry after ``Retry-After``."""
+
     code = "limiter_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kwargs):
+        super().__init__(message, **kwargs)
+        self.headers = [(b"retry-after", str(retry_after).encode())]
+
+
+class DatabaseUnavailable(Unavailable):
+    """The database cannot be reached to check a key the gateway has no recent reading of (a key
+    never seen, or seen longer ago than ``GATEWAY_AUTH_STALE_SECONDS``): retry later, with ``Retry-After``."""
+
+    code = "database_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 5, **kwargs):
+        super().__init__(message, **kwargs)
+        self.headers = [(b"retry-after", str(retry_after).encode())]
 
 
 # OpenAI's ``type`` for each status, so clients that switch on it behave as with OpenAI.

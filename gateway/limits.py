@@ -3,12 +3,24 @@
 Each level (the client, its project, team and organisation; the key itself once keys carry limits)
 has its own counters:
 
-- requests and tokens per minute as a **sliding window** estimated from two one-minute buckets
-  (the previous bucket weighted by how much of it still lies in the last 60 s, plus the current one),
-  so a burst at a minute boundary cannot double the rate as fixed windows allow;
-- concurrent requests as a sorted set of request ids scored by a lease expiry, so a process that
-  dies mid-request leaks nothing past the lease;
-- token budgets per scope and UTC day/month, charged from real usage after each request.
+- requests and tokens per minute over an exact **sliding window**: a log of what the level was
+  charged in the last 60 s (a sorted set scored by time; for tokens a running sum beside it). No
+  60 s interval, wherever it starts, admits more requests than the limit. Tokens are known only
+  once the answer is in (``SETTLE``), so a request is admitted while the tokens charged in the last
+  60 s are under the limit, and the one that crosses it is served whole. Not GCRA or a token
+  bucket: those admit a full burst and refill within the same minute (up to about twice the limit
+  in 60 s) unless the burst is cut to a fraction of the limit. The log holds one entry per request
+  of the last minute, so its size is bounded by what the level admits;
+- concurrent requests as a sorted set of lease ids scored by a lease expiry, so a process that
+  dies mid-request leaks nothing past the lease. A lease id is made per admission (a caller's
+  ``X-Request-Id`` may repeat; two requests never share a lease);
+- token budgets per scope and UTC day/month, charged from real usage after each request. A budget
+  counter exists only once seeded from the usage records in the database (``UsageRecord``, the
+  tokens of the scope's subtree in that period): when Redis has lost it (a restart that keeps
+  nothing, an eviction), ``ADMIT`` answers which counters are missing, the gateway sums the
+  records in a database thread and seeds each with ``SET NX`` (two processes seeding at once do not
+  double it), then asks again. ``SETTLE`` charges only counters that exist. What a rebuilt counter
+  can miss: the tokens of the last usage flush (``GATEWAY_USAGE_FLUSH_MS``) not yet written.
 
 ``ADMIT`` checks every level first and charges only when all pass, atomically (a Lua script), so the
 combined rate of any number of gateway processes never passes a limit. Redis's own clock (``TIME``)
@@ -17,31 +29,57 @@ is the one clock, whatever the processes' clocks say (a test may inject one inst
 ``SETTLE`` runs after the response: it releases the concurrency lease and charges the tokens;
 settlements are pipelined in batches so they cost the hot path nothing.
 
-Keys are built in the script from the bases in a per-key spec (buckets are suffixed by minute),
-not declared as KEYS: fine on one Redis or a replicated one; Redis Cluster would need the bases
-hash-tagged to one slot and declared. Scope paths are slugs, so the spec's separators never occur.
+When Redis does not answer in time (the gateway's client has ``BERTH_GATEWAY_REDIS_TIMEOUT_MS``), the
+request is refused with 503 ``limiter_unavailable``, never served unlimited. A command that timed
+out may still run once Redis wakes up, so ``REPAIR`` follows, retried until Redis answers: for an
+admission, it voids the lease id (an ``ADMIT`` arriving later takes no lease) and releases the
+lease; for a settlement, it releases the lease and drops the budget counters it would have charged
+(they are rebuilt from the usage records, which hold those tokens).
+
+Keys are built in the script from the bases in a per-key spec, not declared as KEYS: fine on one
+Redis or a replicated one; Redis Cluster would need the bases hash-tagged to one slot and declared.
+Scope paths are slugs, so the spec's separators never occur.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import math
+import os
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
-from gateway.errors import BudgetExceeded, ConcurrencyLimited, RateLimited
+from django.db.models import F, Sum
+from django.db.models.functions import Coalesce
+
+from gateway.errors import BudgetExceeded, ConcurrencyLimited, LimiterUnavailable, RateLimited
+from gateway.models import UsageRecord
+from gateway.threads import run_db
+from tenancy.access import subtree
 
 log = logging.getLogger(__name__)
 
 PREFIX = "berth:gw:"
+WINDOW_MS = 60_000
+LOG_TTL_MS = 120_000  # a rate log outlives its last entry's minute; then Redis forgets an idle level
+BUDGET_TTL = {"d": 2 * 86400 + 3600, "m": 32 * 86400 + 3600}  # seconds a budget counter is kept
+VOID_TTL_MS = 300_000  # a voided lease id is remembered this long (a stalled Redis runs late commands at once)
+RETRY_WALK = 128  # a tokens refusal looks this far into the log for when it is under the limit again
+REPAIRS_KEPT = 50_000  # repairs waiting for Redis; past that the oldest are dropped (their leases expire)
 
-# ARGV: request id, lease ms, day (YYYYMMDD), month (YYYYMM), spec, and only with an injected clock
+# ARGV: lease id, lease ms, day (YYYYMMDD), month (YYYYMM), spec, and only with an injected clock
 # the time in microseconds (else Redis's TIME). The spec is precomputed per key:
 # "base,rpm,tpm,conc;..." for levels, then "|", then "budgetbase,daily,monthly,hard;..." (0 = none).
 # Few arguments, because packing each one costs the gateway more than the script costs Redis.
+# Answer: {status, kind, index, wait ms, warnings, then per level: requests in the window, ms until
+# the window holds none of them, tokens in the window, ms until it holds none of them}; status 1
+# admitted, 0 refused (kind and index say by what; wait: when every refusing rate admits again),
+# 2 budget counters missing (then the rest names them: "<budget index><d|m>"), nothing charged.
 ADMIT = """
 local sec, usec
 if ARGV[6] then
@@ -53,102 +91,200 @@ else
   sec, usec = tonumber(t[1]), tonumber(t[2])
 end
 local now_ms = sec * 1000 + math.floor(usec / 1000)
-local minute = math.floor(sec / 60)
-local frac = ((sec % 60) + usec / 1000000) / 60
-local rid, lease, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local cutoff = now_ms - @WINDOW@
+local lid, lease, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local bar = string.find(spec, '|', 1, true)
 local levels, budgets = {}, {}
+local leased = false
 for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+),(%d+),(%d+),(%d+)') do
   levels[#levels + 1] = {base, tonumber(rpm), tonumber(tpm), tonumber(conc)}
+  if tonumber(conc) > 0 then leased = true end
 end
 for base, daily, monthly, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),(%d+),(%d+),(%d)') do
   budgets[#budgets + 1] = {base .. ':d:' .. day, base .. ':m:' .. month, tonumber(daily), tonumber(monthly),
                            tonumber(hard)}
 end
 local nl, nb = #levels, #budgets
-local out = {1, '', 0, 0, 0, math.floor(frac * 1000000), 0}
+-- Budget counters first: one that is missing (Redis lost it) is rebuilt from the usage records.
+local spent, missing = {}, {}
+for j = 1, nb do
+  local b = budgets[j]
+  local d, m = false, false
+  if b[3] > 0 then
+    d = redis.call('GET', b[1])
+    if not d then missing[#missing + 1] = j .. 'd' end
+  end
+  if b[4] > 0 then
+    m = redis.call('GET', b[2])
+    if not m then missing[#missing + 1] = j .. 'm' end
+  end
+  spent[j] = {tonumber(d or '0'), tonumber(m or '0')}
+end
+if #missing > 0 then
+  local out = {2, '', 0, 0, 0}
+  for _, name in ipairs(missing) do out[#out + 1] = name end
+  return out
+end
+if leased and redis.call('EXISTS', '@PREFIX@void:' .. lid) == 1 then return {0, 'void', 0, 0, 0} end
+local function tokens_of(member) return tonumber(string.match(member, ':(%d+)$')) end
+local allowed, kind, index, wait = 1, '', 0, 0
 local figures = {}
 for i = 1, nl do
   local base, rpm, tpm, conc = levels[i][1], levels[i][2], levels[i][3], levels[i][4]
-  local rc, rp, tc, tp, n = 0, 0, 0, 0, 0
+  local rn, tsum, treset = 0, 0, 0
   if rpm > 0 then
-    rc = tonumber(redis.call('GET', base .. ':r:' .. minute) or '0')
-    rp = tonumber(redis.call('GET', base .. ':r:' .. (minute - 1)) or '0')
-    if out[1] == 1 and rp * (1 - frac) + rc + 1 > rpm then out = {0, 'rpm', i, rc, rp, out[6], 0} end
+    local rk = base .. ':r'
+    redis.call('ZREMRANGEBYSCORE', rk, '-inf', cutoff)
+    rn = redis.call('ZCARD', rk)
+    if rn + 1 > rpm then
+      if allowed == 1 then allowed, kind, index = 0, 'rpm', i end
+      -- one more fits once all but rpm - 1 of them have left: the (rn - rpm + 1)-th oldest
+      local at = redis.call('ZRANGE', rk, rn - rpm, rn - rpm, 'WITHSCORES')
+      wait = math.max(wait, tonumber(at[2]) - cutoff)
+    end
   end
   if tpm > 0 then
-    tc = tonumber(redis.call('GET', base .. ':t:' .. minute) or '0')
-    tp = tonumber(redis.call('GET', base .. ':t:' .. (minute - 1)) or '0')
-    if out[1] == 1 and tp * (1 - frac) + tc >= tpm then out = {0, 'tpm', i, tc, tp, out[6], 0} end
+    -- the log (member "<lease id>:<tokens>" scored by when charged) and beside it s: the tokens it
+    -- holds, t: when the newest was charged (when t has left the window, all of them have)
+    local tk, sk = base .. ':t', base .. ':ts'
+    local state = redis.call('HMGET', sk, 's', 't')
+    local newest = tonumber(state[2] or '0')
+    if newest > cutoff then
+      tsum = tonumber(state[1] or '0')
+      local gone = redis.call('ZRANGEBYSCORE', tk, '-inf', cutoff)
+      if #gone > 0 then
+        local dropped = 0
+        for _, member in ipairs(gone) do dropped = dropped + tokens_of(member) end
+        redis.call('ZREMRANGEBYSCORE', tk, '-inf', cutoff)
+        tsum = redis.call('HINCRBY', sk, 's', -dropped)
+      end
+      treset = newest - cutoff
+      if tsum >= tpm then
+        if allowed == 1 then allowed, kind, index = 0, 'tpm', i end
+        -- under the limit once enough of the oldest have left (else, at the latest, once the newest has)
+        local at, left = newest, tsum
+        local oldest = redis.call('ZRANGE', tk, 0, @WALK@ - 1, 'WITHSCORES')
+        for k = 1, #oldest, 2 do
+          left = left - tokens_of(oldest[k])
+          if left < tpm then at = tonumber(oldest[k + 1]); break end
+        end
+        wait = math.max(wait, at - cutoff)
+      end
+    end
   end
   if conc > 0 then
     redis.call('ZREMRANGEBYSCORE', base .. ':c', '-inf', now_ms)
-    n = redis.call('ZCARD', base .. ':c')
-    if out[1] == 1 and n + 1 > conc then out = {0, 'concurrency', i, n, 0, out[6], 0} end
+    local n = redis.call('ZCARD', base .. ':c')
+    if allowed == 1 and n + 1 > conc then allowed, kind, index = 0, 'concurrency', i end
   end
-  figures[#figures + 1] = math.floor((rp * (1 - frac) + rc) * 1000)
-  figures[#figures + 1] = math.floor((tp * (1 - frac) + tc) * 1000)
+  figures[#figures + 1] = rn
+  figures[#figures + 1] = 0  -- (when its requests have all left: below)
+  figures[#figures + 1] = math.max(0, tsum)
+  figures[#figures + 1] = math.max(0, treset)
+end
+if allowed == 0 then  -- when each refused level's window is empty again (admitted: 60 s, set below)
+  for i = 1, nl do
+    if figures[4 * i - 3] > 0 then
+      local newest = redis.call('ZRANGE', levels[i][1] .. ':r', -1, -1, 'WITHSCORES')
+      figures[4 * i - 2] = tonumber(newest[2]) - cutoff
+    end
+  end
 end
 local warn = 0
 for j = 1, nb do
-  local dk, mk, daily, monthly, hard = budgets[j][1], budgets[j][2], budgets[j][3], budgets[j][4], budgets[j][5]
-  local over = false
-  if daily > 0 and tonumber(redis.call('GET', dk) or '0') >= daily then over = true end
-  if monthly > 0 and tonumber(redis.call('GET', mk) or '0') >= monthly then over = true end
-  if over then
-    if hard == 1 then
-      if out[1] == 1 then out = {0, 'budget', j, 0, 0, out[6], 0} end
+  local b = budgets[j]
+  if (b[3] > 0 and spent[j][1] >= b[3]) or (b[4] > 0 and spent[j][2] >= b[4]) then
+    if b[5] == 1 then
+      if allowed == 1 then allowed, kind, index = 0, 'budget', j end
     else
       warn = warn + 1
     end
   end
 end
-out[7] = warn
-if out[1] == 1 then
+if allowed == 1 then
   for i = 1, nl do
     local base = levels[i][1]
     if levels[i][2] > 0 then
-      local k = base .. ':r:' .. minute
-      redis.call('INCR', k)
-      redis.call('EXPIRE', k, 150)
-      figures[2*i - 1] = figures[2*i - 1] + 1000
+      redis.call('ZADD', base .. ':r', now_ms, lid)
+      redis.call('PEXPIRE', base .. ':r', @LOG_TTL@)
+      figures[4 * i - 3] = figures[4 * i - 3] + 1
+      figures[4 * i - 2] = @WINDOW@
     end
     if levels[i][4] > 0 then
-      redis.call('ZADD', base .. ':c', now_ms + lease, rid)
+      redis.call('ZADD', base .. ':c', now_ms + lease, lid)
       redis.call('PEXPIRE', base .. ':c', lease)
     end
   end
 end
+local out = {allowed, kind, index, math.max(0, wait), warn}
 for _, v in ipairs(figures) do out[#out + 1] = v end
 return out
 """
 
-# ARGV: request id, tokens, day, month, spec (as ADMIT's), and the injected time as ADMIT's.
+# ARGV: lease id, tokens, day, month, spec (as ADMIT's), and the injected time as ADMIT's.
 SETTLE = """
-local sec
-if ARGV[6] then sec = math.floor(tonumber(ARGV[6]) / 1000000) else sec = tonumber(redis.call('TIME')[1]) end
-local minute = math.floor(sec / 60)
-local rid, tokens, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local now_ms
+if ARGV[6] then
+  now_ms = math.floor(tonumber(ARGV[6]) / 1000)
+else
+  local t = redis.call('TIME')
+  now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local lid, tokens, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
 local bar = string.find(spec, '|', 1, true)
 for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+),(%d+),(%d+),(%d+)') do
   if tokens > 0 and tonumber(tpm) > 0 then
-    local k = base .. ':t:' .. minute
-    redis.call('INCRBY', k, tokens)
-    redis.call('EXPIRE', k, 150)
+    local tk, sk = base .. ':t', base .. ':ts'
+    local newest = tonumber(redis.call('HGET', sk, 't') or '0')
+    if newest <= now_ms - @WINDOW@ then  -- all it holds has left the window: start again
+      redis.call('DEL', tk)
+      redis.call('HSET', sk, 's', tokens, 't', now_ms)
+    else
+      redis.call('HINCRBY', sk, 's', tokens)
+      if now_ms > newest then redis.call('HSET', sk, 't', now_ms) end
+    end
+    redis.call('ZADD', tk, now_ms, lid .. ':' .. tokens)
+    redis.call('PEXPIRE', tk, @LOG_TTL@)
+    redis.call('PEXPIRE', sk, @LOG_TTL@)
   end
-  if tonumber(conc) > 0 then redis.call('ZREM', base .. ':c', rid) end
+  if tonumber(conc) > 0 then redis.call('ZREM', base .. ':c', lid) end
 end
 if tokens > 0 then
   for base in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,%d') do
-    local dk, mk = base .. ':d:' .. day, base .. ':m:' .. month
-    redis.call('INCRBY', dk, tokens)
-    redis.call('EXPIRE', dk, 2 * 86400 + 3600)
-    redis.call('INCRBY', mk, tokens)
-    redis.call('EXPIRE', mk, 32 * 86400 + 3600)
+    -- a counter Redis lost is rebuilt from the usage records (this request's among them), not started here
+    for _, k in ipairs({base .. ':d:' .. day, base .. ':m:' .. month}) do
+      if redis.call('EXISTS', k) == 1 then redis.call('INCRBY', k, tokens) end
+    end
   end
 end
 return 1
 """
+
+# ARGV: lease id, spec, day, month, "1" to void the lease id (an admission that timed out), "1" to
+# drop the budget counters (a settlement that may not have charged them). Idempotent.
+REPAIR = """
+local lid, spec, day, month = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local bar = string.find(spec, '|', 1, true)
+if ARGV[5] == '1' then redis.call('SET', '@PREFIX@void:' .. lid, 1, 'PX', @VOID_TTL@) end
+for base, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+),%d+,%d+,(%d+)') do
+  if tonumber(conc) > 0 then redis.call('ZREM', base .. ':c', lid) end
+end
+if ARGV[6] == '1' then
+  for base in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,%d') do
+    redis.call('DEL', base .. ':d:' .. day, base .. ':m:' .. month)
+  end
+end
+return 1
+"""
+
+
+def _script(text: str) -> str:
+    return (text.replace("@PREFIX@", PREFIX).replace("@WINDOW@", str(WINDOW_MS))
+            .replace("@LOG_TTL@", str(LOG_TTL_MS)).replace("@VOID_TTL@", str(VOID_TTL_MS))
+            .replace("@WALK@", str(RETRY_WALK)))
+
+
+ADMIT, SETTLE, REPAIR = _script(ADMIT), _script(SETTLE), _script(REPAIR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +336,10 @@ class Plan:
     def settles(self) -> bool:
         return bool(self.budgets) or any(level.tpm or level.concurrency for level in self.levels)
 
+    @functools.cached_property
+    def leased(self) -> bool:
+        return any(level.concurrency for level in self.levels)
+
 
 @dataclasses.dataclass
 class Admission:
@@ -219,16 +359,23 @@ def _periods(now: float) -> tuple[str, str]:
     return _period_cache[1]
 
 
-def _seconds_until_refill(limit: float, current: float, previous: float, frac: float, extra: float) -> float:
-    """How long until ``previous*(1-f) + current + extra <= limit`` holds again (sliding window)."""
-    if previous > 0 and current + extra <= limit:
-        needed = 1 - (limit - current - extra) / previous
-        return max(0.0, (needed - frac) * 60)
-    rest = (1 - frac) * 60  # this bucket ends; then the current one becomes "previous"
-    if current <= 0:
-        return rest
-    needed = max(0.0, 1 - (limit - extra) / current)
-    return rest + needed * 60
+def period_bounds(period: str) -> tuple[datetime, datetime]:
+    """[start, end) in UTC of a day (``YYYYMMDD``) or a month (``YYYYMM``) as budgets key them."""
+    if len(period) == 8:
+        start = datetime.strptime(period, "%Y%m%d").replace(tzinfo=timezone.utc)
+        return start, start + timedelta(days=1)
+    start = datetime.strptime(period, "%Y%m").replace(tzinfo=timezone.utc)
+    end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+    return start, end
+
+
+def spent_in_database(path: str, since: datetime, until: datetime) -> int:
+    """Tokens the usage records charge to ``path`` and its subtree for requests finished in
+    [since, until): what a budget counter holds, rebuilt. Database."""
+    tokens = Coalesce(F("prompt_tokens"), 0) + Coalesce(F("completion_tokens"), 0)
+    total = (UsageRecord.objects.filter(subtree(path, "scope_path"), finished_at__gte=since, finished_at__lt=until)
+             .aggregate(total=Sum(tokens))["total"])
+    return int(total or 0)
 
 
 def _end_of_period(now: float, kind: str) -> float:
@@ -240,24 +387,27 @@ def _end_of_period(now: float, kind: str) -> float:
     return datetime(year, month, 1, tzinfo=timezone.utc).timestamp() - now
 
 
-def rate_headers(plan: Plan, figures: list[int], frac: float) -> list[tuple[bytes, bytes]]:
-    """The x-ratelimit-* headers: for requests and for tokens, the level with least left."""
+def rate_headers(plan: Plan, figures: list[int]) -> list[tuple[bytes, bytes]]:
+    """The x-ratelimit-* headers: for requests and for tokens, the level with least left. Figures
+    come four a level (as ``ADMIT`` answers): requests in the window, ms until none of them is,
+    tokens in the window, ms until none of them is. ``remaining`` is what the window holds room
+    for now; ``reset`` is when it is back to its initial state (all of its limit free), OpenAI's
+    meaning, in whole seconds rounded up."""
     headers = []
-    reset = f"{max(1, math.ceil((1 - frac) * 60))}s".encode()
-    for index, (kind, attribute) in enumerate((("requests", "rpm"), ("tokens", "tpm"))):
+    for kind, attribute, offset in (("requests", "rpm", 0), ("tokens", "tpm", 2)):
         best = None
         for position, level in enumerate(plan.levels):
             limit = getattr(level, attribute)
-            if not limit:
+            at = 4 * position + offset
+            if not limit or at + 1 >= len(figures):
                 continue
-            used = figures[2 * position + index] / 1000 if 2 * position + index < len(figures) else 0
-            remaining = max(0, limit - math.ceil(used - 1e-9))
+            remaining = max(0, limit - int(figures[at]))
             if best is None or remaining < best[1]:
-                best = (limit, remaining)
+                best = (limit, remaining, int(figures[at + 1]))
         if best is not None:
             headers += [(f"x-ratelimit-limit-{kind}".encode(), str(best[0]).encode()),
                         (f"x-ratelimit-remaining-{kind}".encode(), str(best[1]).encode()),
-                        (f"x-ratelimit-reset-{kind}".encode(), reset)]
+                        (f"x-ratelimit-reset-{kind}".encode(), f"{math.ceil(max(0, best[2]) / 1000)}s".encode())]
     return headers
 
 
@@ -266,19 +416,71 @@ def _microseconds(now: float) -> str:
     return str(int(now * 1_000_000))
 
 
+def _settlement_repair(lid: str, tokens: int, day: str, month: str, spec: str) -> tuple | None:
+    """``REPAIR``'s arguments for a settlement that may not have run (None when it had nothing to undo):
+    release the lease, and drop the budget counters it charges, to be rebuilt from the usage records."""
+    levels, budgets = spec.split("|", 1)
+    leased = any(part.rsplit(",", 1)[1] != "0" for part in levels.split(";") if part)
+    reseed = bool(tokens and budgets)
+    return (lid, spec, day, month, "0", "1" if reseed else "0") if leased or reseed else None
+
+
+def limiter_client(url: str, timeout: float):
+    """The limiter's Redis client: it fails fast. Connecting and each reply are bounded by ``timeout``
+    (``BERTH_GATEWAY_REDIS_TIMEOUT_MS``), so a stalled Redis costs a request that long, not a hang;
+    a connection found broken (Redis restarted) is retried once at once on a new one; a timeout is
+    not retried (the command may still run: ``REPAIR`` covers it). Not for pub/sub, which waits."""
+    import redis.asyncio as aioredis  # the embedded mode (LocalLimiter) runs without Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as BrokenConnection
+
+    return aioredis.Redis.from_url(url, max_connections=256, health_check_interval=30, socket_timeout=timeout,
+                                   socket_connect_timeout=timeout,
+                                   retry=Retry(NoBackoff(), 1, supported_errors=(BrokenConnection,)))
+
+
 class Limiter:
     """The limits in Redis. ``clock`` (seconds since the epoch, e.g. ``time.time``) replaces Redis's
     ``TIME`` in the scripts: tests drive time with it. Without one (production), every process
-    reads the one Redis clock."""
+    reads the one Redis clock. ``spent(path, since, until)`` is what rebuilds a lost budget counter
+    (run in a database thread; the usage records by default)."""
 
-    def __init__(self, redis, lease_seconds: float, clock=None):
+    def __init__(self, redis, lease_seconds: float, clock=None, spent=None):
         self.redis = redis
         self.lease_ms = int(lease_seconds * 1000)
         self.clock = clock
+        self.spent = spent or spent_in_database
         self._admit = redis.register_script(ADMIT) if redis is not None else None
         self._settle = redis.register_script(SETTLE) if redis is not None else None
+        self._repair = redis.register_script(REPAIR) if redis is not None else None
+        self._setup()
+
+    def _setup(self) -> None:
         self._pending: list[tuple] = []
         self._flushing: asyncio.Task | None = None
+        self._repairs: list[tuple] = []
+        self._repairing: asyncio.Task | None = None
+        self._seeding: dict[str, asyncio.Future] = {}
+        self._held: dict[str, list[str]] = {}  # request id → lease ids admitted under it, not yet settled
+        self._tag = os.urandom(4).hex()
+        self._serial = itertools.count(1)
+
+    def _lease_id(self) -> str:
+        """Unique per admission across processes: a request id may repeat (callers may send their own)."""
+        return f"{self._tag}{next(self._serial):x}"
+
+    def _take_lease(self, plan: Plan, request_id: str) -> str:
+        """The lease id a settlement releases: the one its admission took (any of them when a request
+        id repeats; their leases are alike), or a fresh id where the plan holds no lease."""
+        if plan.leased:
+            held = self._held.get(request_id)
+            if held:
+                lid = held.pop()
+                if not held:
+                    del self._held[request_id]
+                return lid
+        return self._lease_id()
 
     async def admit(self, plan: Plan, request_id: str) -> Admission:
         """Check and charge every level in one round trip; raise a 429 (with headers) when one refuses."""
@@ -286,21 +488,70 @@ class Limiter:
             return Admission(headers=[])
         now = self.clock() if self.clock is not None else time.time()
         day, month = _periods(now)
-        args = (request_id, self.lease_ms, day, month, plan.spec)
+        lid = self._lease_id()
+        args = (lid, self.lease_ms, day, month, plan.spec)
         if self.clock is not None:
             args += (_microseconds(now),)
-        result = await self._admit(keys=(), args=args)
-        return self._decide(plan, result, now)
+        try:
+            result = await self._admit(keys=(), args=args)
+            if result[0] == 2:  # budget counters lost: rebuilt, then asked again
+                await self._seed(plan, result[5:], day, month)
+                result = await self._admit(keys=(), args=args)
+                if result[0] == 2:
+                    raise LimiterUnavailable("Token budgets cannot be checked right now; retry shortly.",
+                                             retry_after=1)
+        except BaseException as exc:
+            if plan.leased and not isinstance(exc, LimiterUnavailable):
+                # Timed out, cancelled or cut off: it may still run later. Void its lease id.
+                self._queue_repairs([(lid, plan.spec, day, month, "1", "0")])
+            raise
+        admission = self._decide(plan, result, now)
+        if plan.leased:
+            self._held.setdefault(request_id, []).append(lid)
+        return admission
+
+    async def _seed(self, plan: Plan, missing: list, day: str, month: str) -> None:
+        """Rebuild the missing budget counters from the usage records, one database read per counter
+        and process at a time (requests that find it missing meanwhile wait for the same read)."""
+        jobs = []
+        for name in missing:
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            budget, kind = plan.budgets[int(name[:-1]) - 1], name[-1]
+            period = day if kind == "d" else month
+            key = f"{PREFIX}budget:{budget.path}:{kind}:{period}"
+            job = self._seeding.get(key)
+            if job is None:
+                job = asyncio.ensure_future(self._rebuild(key, budget.path, kind, period))
+                self._seeding[key] = job
+                job.add_done_callback(lambda _, key=key: self._seeding.pop(key, None))
+            jobs.append(asyncio.shield(job))
+        await asyncio.gather(*jobs)
+
+    async def _rebuild(self, key: str, path: str, kind: str, period: str) -> None:
+        since, until = period_bounds(period)
+        try:
+            total = await run_db(self.spent, path, since, until)
+        except Exception as exc:  # noqa: BLE001 - the database cannot say: refuse rather than forget a budget
+            log.warning("could not rebuild the token budget counter of %s for %s: %s", path, period, exc)
+            raise LimiterUnavailable(f"The token budget of {path} cannot be checked right now; retry shortly.",
+                                     retry_after=5) from None
+        log.info("rebuilt the token budget counter of %s for %s from the usage records: %d", path, period, total)
+        await self._store_seed(key, total, kind)
+
+    async def _store_seed(self, key: str, total: int, kind: str) -> None:
+        # NX: another process may have seeded it (and charged it since); its count stands.
+        await self.redis.set(key, total, nx=True, ex=BUDGET_TTL[kind])
 
     def _decide(self, plan: Plan, result: list, now: float) -> Admission:
-        """ADMIT's answer (as the script returns it) as an admission, or the 429 to raise."""
-        allowed, kind, index, current, previous, frac_micro, warn = result[:7]
-        frac = frac_micro / 1_000_000
-        headers = rate_headers(plan, result[7:], frac)
+        """ADMIT's answer (as the script returns it) as an admission, or the error to raise."""
+        allowed, kind, index, wait_ms, warn = result[:5]
+        headers = rate_headers(plan, result[5:])
         if isinstance(kind, bytes):
             kind = kind.decode()
         if allowed == 1:
             return Admission(headers=headers, budget_warning=warn > 0)
+        if kind == "void":  # only an admission given up on (and answered 503) long before meets this
+            raise LimiterUnavailable("Rate limits cannot be checked right now; retry shortly.", retry_after=1)
         if kind == "concurrency":
             level = plan.levels[index - 1]
             error = ConcurrencyLimited(
@@ -320,7 +571,9 @@ class Limiter:
             error = RateLimited(f"Rate limit of {limit} {what} per minute reached for {level.name} "
                                 f"{level.ident.split(':', 1)[1]}.",
                                 details={"level": level.name, "limit": limit, "per": "minute", "of": what})
-            retry = _seconds_until_refill(limit, current, previous, frac, 1 if kind == "rpm" else 0)
+            retry = 0.0
+        # No earlier than every refusing rate admits again (another level may refuse besides the one named).
+        retry = max(retry, wait_ms / 1000)
         error.headers = headers + [(b"retry-after", str(max(1, math.ceil(retry))).encode())]
         raise error
 
@@ -332,7 +585,7 @@ class Limiter:
             return
         now = self.clock() if self.clock is not None else time.time()
         day, month = _periods(now)
-        args = (request_id, max(0, int(tokens or 0)), day, month, plan.spec)
+        args = (self._take_lease(plan, request_id), max(0, int(tokens or 0)), day, month, plan.spec)
         if self.clock is not None:
             args += (_microseconds(now),)
         self._pending.append(args)
@@ -348,104 +601,188 @@ class Limiter:
                     for args in batch:
                         await self._settle(keys=(), args=args, client=pipe)
                     await pipe.execute()
-            except Exception:  # noqa: BLE001 - a lost settlement must not break serving; leases expire
-                log.exception("could not settle %d gateway requests in Redis", len(batch))
+            except Exception:  # noqa: BLE001 - a lost settlement must not break serving: repaired later
+                log.exception("could not settle %d gateway requests in Redis; repairing when it answers", len(batch))
+                # Whether they ran is unknown: release their leases and let the budgets they charge be
+                # rebuilt from the usage records (charging again might count them twice).
+                self._queue_repairs([repair for args in batch if (repair := _settlement_repair(*args[:5]))])
+
+    def _queue_repairs(self, repairs: list[tuple]) -> None:
+        self._repairs.extend(repairs)
+        if len(self._repairs) > REPAIRS_KEPT:
+            log.warning("dropped %d gateway lease repairs waiting for Redis (their leases expire)",
+                        len(self._repairs) - REPAIRS_KEPT)
+            del self._repairs[:-REPAIRS_KEPT]
+        if self._repairing is None or self._repairing.done():
+            self._repairing = asyncio.get_running_loop().create_task(self._repair_all())
+
+    async def _repair_all(self) -> None:
+        """Send the repairs until Redis answers, backing off while it does not."""
+        delay = 0.5
+        while self._repairs:
+            await asyncio.sleep(delay)
+            batch, self._repairs = self._repairs, []
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for args in batch:
+                        await self._repair(keys=(), args=args, client=pipe)
+                    await pipe.execute()
+            except Exception as exc:  # noqa: BLE001 - still unreachable: keep them, try again later
+                self._repairs[:0] = batch
+                del self._repairs[:-REPAIRS_KEPT]
+                delay = min(delay * 2, 5.0)
+                log.warning("could not repair %d gateway leases in Redis (%s); retrying", len(batch), exc)
+                continue
+            delay = 0.5
+            log.info("repaired %d gateway leases in Redis", len(batch))
 
     async def drain(self) -> None:
         if self._flushing is not None:
             await asyncio.gather(self._flushing, return_exceptions=True)
 
+    async def aclose(self) -> None:
+        """At shutdown: settlements sent, repairs given up (leases expire), the client closed."""
+        await self.drain()
+        if self._repairing is not None:
+            self._repairing.cancel()
+            await asyncio.gather(self._repairing, return_exceptions=True)
+        if self.redis is not None:
+            await self.redis.aclose()
+
 
 class LocalLimiter(Limiter):
     """The same limits kept in this process, for the embedded mode (no ``REDIS_URL``): one process
     is the whole fleet there, so its own counters are exact. Same semantics as ``ADMIT``/``SETTLE``
-    — sliding one-minute windows from two buckets, concurrency leases that expire, day and month
-    budgets charged from real usage, hard or soft — and the same headers and refusals. Settling is
-    immediate (no I/O). The clock is this process's ``time.time()``."""
+    — exact sliding one-minute logs, concurrency leases that expire, day and month budgets charged
+    from real usage (rebuilt from the usage records when this process starts, as after a Redis
+    loss), hard or soft — and the same headers and refusals. Settling is immediate (no I/O). The
+    clock is this process's ``time.time()``."""
 
-    def __init__(self, lease_seconds: float, clock=time.time):
+    def __init__(self, lease_seconds: float, clock=time.time, spent=None):
         self.lease_ms = int(lease_seconds * 1000)
         self.clock = clock
-        self._counts: dict[str, int] = {}  # "<base>:r:<minute>", "<base>:t:<minute>", budget keys
-        self._leases: dict[str, dict[str, int]] = {}  # "<base>:c" -> {request id: expiry ms}
+        self.spent = spent or spent_in_database
+        self._requests: dict[str, collections.deque] = {}  # "<base>" → admission times (ms), oldest first
+        self._tokens: dict[str, collections.deque] = {}  # "<base>" → (settle time ms, tokens), oldest first
+        self._token_sums: dict[str, int] = {}
+        self._leases: dict[str, dict[str, int]] = {}  # "<base>:c" → {lease id: expiry ms}
+        self._budgets: dict[str, int] = {}  # "<base>:d:<day>", "<base>:m:<month>" → tokens
         self._swept_minute = -1
-        self._pending = []
-        self._flushing = None
+        self._setup()
 
-    def _sweep(self, minute: int, day: str, month: str) -> None:
-        """Once a minute: forget buckets older than the previous minute and budgets of past periods."""
+    def _sweep(self, minute: int, cutoff: int, day: str, month: str) -> None:
+        """Once a minute: forget logs with nothing in the window and budgets of past periods."""
         self._swept_minute = minute
-        recent = {str(minute), str(minute - 1)}
-        for key in list(self._counts):
+        for base in [base for base, times in self._requests.items() if not times or times[-1] <= cutoff]:
+            del self._requests[base]
+        for base in [base for base, entries in self._tokens.items() if not entries or entries[-1][0] <= cutoff]:
+            del self._tokens[base]
+            self._token_sums.pop(base, None)
+        for key in list(self._budgets):
             _, kind, period = key.rsplit(":", 2)
-            if (kind in ("r", "t") and period not in recent) or (kind == "d" and period != day) \
-                    or (kind == "m" and period != month):
-                del self._counts[key]
+            if (kind == "d" and period != day) or (kind == "m" and period != month):
+                del self._budgets[key]
         for key in [key for key, leases in self._leases.items() if not leases]:
             del self._leases[key]
 
-    def _evaluate(self, plan: Plan, request_id: str, now: float, day: str, month: str) -> list:
+    def _missing(self, plan: Plan, day: str, month: str) -> list[str]:
+        missing = []
+        for j, budget in enumerate(plan.budgets, start=1):
+            base = f"{PREFIX}budget:{budget.path}"
+            if budget.daily and f"{base}:d:{day}" not in self._budgets:
+                missing.append(f"{j}d")
+            if budget.monthly and f"{base}:m:{month}" not in self._budgets:
+                missing.append(f"{j}m")
+        return missing
+
+    async def _store_seed(self, key: str, total: int, kind: str) -> None:
+        self._budgets.setdefault(key, total)
+
+    def _evaluate(self, plan: Plan, lid: str, now: float, day: str, month: str) -> list:
         """``ADMIT`` in Python: the same checks, charges and answer."""
-        sec = int(now)
         now_ms = int(now * 1000)
-        minute = sec // 60
-        frac = (now % 60) / 60
+        cutoff = now_ms - WINDOW_MS
+        minute = int(now) // 60
         if minute != self._swept_minute:
-            self._sweep(minute, day, month)
-        counts = self._counts
-        out = [1, "", 0, 0, 0, int(frac * 1_000_000), 0]
-        figures = []
+            self._sweep(minute, cutoff, day, month)
+        allowed, kind, index, wait = 1, "", 0, 0
+        figures: list[int] = []
         for i, level in enumerate(plan.levels, start=1):
             base = f"{PREFIX}rl:{level.ident}"
-            rc = rp = tc = tp = 0
+            rn = rreset = tsum = treset = 0
             if level.rpm:
-                rc = counts.get(f"{base}:r:{minute}", 0)
-                rp = counts.get(f"{base}:r:{minute - 1}", 0)
-                if out[0] == 1 and rp * (1 - frac) + rc + 1 > level.rpm:
-                    out = [0, "rpm", i, rc, rp, out[5], 0]
+                times = self._requests.get(base)
+                while times and times[0] <= cutoff:
+                    times.popleft()
+                rn = len(times) if times else 0
+                if rn:
+                    rreset = times[-1] - cutoff
+                if rn + 1 > level.rpm:
+                    if allowed == 1:
+                        allowed, kind, index = 0, "rpm", i
+                    wait = max(wait, times[rn - level.rpm] - cutoff)
             if level.tpm:
-                tc = counts.get(f"{base}:t:{minute}", 0)
-                tp = counts.get(f"{base}:t:{minute - 1}", 0)
-                if out[0] == 1 and tp * (1 - frac) + tc >= level.tpm:
-                    out = [0, "tpm", i, tc, tp, out[5], 0]
+                entries = self._tokens.get(base)
+                while entries and entries[0][0] <= cutoff:
+                    self._token_sums[base] -= entries.popleft()[1]
+                if entries:
+                    tsum = self._token_sums[base]
+                    treset = entries[-1][0] - cutoff
+                    if tsum >= level.tpm:
+                        if allowed == 1:
+                            allowed, kind, index = 0, "tpm", i
+                        at, left = entries[-1][0], tsum
+                        for at_ms, tokens in itertools.islice(entries, RETRY_WALK):
+                            left -= tokens
+                            if left < level.tpm:
+                                at = at_ms
+                                break
+                        wait = max(wait, at - cutoff)
             if level.concurrency:
                 leases = self._leases.get(f"{base}:c")
                 if leases:
-                    for rid in [rid for rid, until in leases.items() if until <= now_ms]:
-                        del leases[rid]
+                    for held in [held for held, until in leases.items() if until <= now_ms]:
+                        del leases[held]
                 n = len(leases) if leases else 0
-                if out[0] == 1 and n + 1 > level.concurrency:
-                    out = [0, "concurrency", i, n, 0, out[5], 0]
-            figures += [int((rp * (1 - frac) + rc) * 1000), int((tp * (1 - frac) + tc) * 1000)]
+                if allowed == 1 and n + 1 > level.concurrency:
+                    allowed, kind, index = 0, "concurrency", i
+            figures += [rn, max(0, rreset), max(0, tsum), max(0, treset)]
         warn = 0
+        budgets = self._budgets
         for j, budget in enumerate(plan.budgets, start=1):
             base = f"{PREFIX}budget:{budget.path}"
-            over = ((budget.daily and counts.get(f"{base}:d:{day}", 0) >= budget.daily)
-                    or (budget.monthly and counts.get(f"{base}:m:{month}", 0) >= budget.monthly))
+            over = ((budget.daily and budgets.get(f"{base}:d:{day}", 0) >= budget.daily)
+                    or (budget.monthly and budgets.get(f"{base}:m:{month}", 0) >= budget.monthly))
             if over:
                 if budget.hard:
-                    if out[0] == 1:
-                        out = [0, "budget", j, 0, 0, out[5], 0]
+                    if allowed == 1:
+                        allowed, kind, index = 0, "budget", j
                 else:
                     warn += 1
-        out[6] = warn
-        if out[0] == 1:
+        if allowed == 1:
             for i, level in enumerate(plan.levels):
                 base = f"{PREFIX}rl:{level.ident}"
                 if level.rpm:
-                    key = f"{base}:r:{minute}"
-                    counts[key] = counts.get(key, 0) + 1
-                    figures[2 * i] += 1000
+                    self._requests.setdefault(base, collections.deque()).append(now_ms)
+                    figures[4 * i] += 1
+                    figures[4 * i + 1] = WINDOW_MS
                 if level.concurrency:
-                    self._leases.setdefault(f"{base}:c", {})[request_id] = now_ms + self.lease_ms
-        return out + figures
+                    self._leases.setdefault(f"{base}:c", {})[lid] = now_ms + self.lease_ms
+        return [allowed, kind, index, max(0, wait), warn] + figures
 
     async def admit(self, plan: Plan, request_id: str) -> Admission:
         if plan.empty:
             return Admission(headers=[])
         now = self.clock()
         day, month = _periods(now)
-        return self._decide(plan, self._evaluate(plan, request_id, now, day, month), now)
+        missing = self._missing(plan, day, month)
+        if missing:  # this process has not counted them yet (it started since): from the usage records
+            await self._seed(plan, missing, day, month)
+        lid = self._lease_id()
+        admission = self._decide(plan, self._evaluate(plan, lid, now, day, month), now)
+        if plan.leased:
+            self._held.setdefault(request_id, []).append(lid)
+        return admission
 
     def settle(self, plan: Plan, request_id: str, tokens: int) -> None:
         """``SETTLE`` in Python, at once: release the lease, charge the tokens."""
@@ -453,25 +790,30 @@ class LocalLimiter(Limiter):
             return
         now = self.clock()
         day, month = _periods(now)
-        minute = int(now) // 60
+        now_ms = int(now * 1000)
         tokens = max(0, int(tokens or 0))
-        counts = self._counts
+        lid = self._take_lease(plan, request_id)
         for level in plan.levels:
             base = f"{PREFIX}rl:{level.ident}"
             if tokens and level.tpm:
-                key = f"{base}:t:{minute}"
-                counts[key] = counts.get(key, 0) + tokens
+                self._tokens.setdefault(base, collections.deque()).append((now_ms, tokens))
+                self._token_sums[base] = self._token_sums.get(base, 0) + tokens
             if level.concurrency:
                 leases = self._leases.get(f"{base}:c")
                 if leases is not None:
-                    leases.pop(request_id, None)
+                    leases.pop(lid, None)
                     if not leases:
                         del self._leases[f"{base}:c"]
         if tokens:
+            budgets = self._budgets
             for budget in plan.budgets:
                 base = f"{PREFIX}budget:{budget.path}"
                 for key in (f"{base}:d:{day}", f"{base}:m:{month}"):
-                    counts[key] = counts.get(key, 0) + tokens
+                    if key in budgets:  # (one not counted yet is rebuilt from the records, this one's included)
+                        budgets[key] += tokens
 
     async def drain(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
         return None

@@ -74,8 +74,11 @@ class _Cursor:
         return self.scalar(kind)
 
 
-def read_metadata(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int]], int]:
-    """(metadata, [(tensor name, element count, type)], file size)."""
+def read_metadata(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int, int]], int]:
+    """(metadata, [(tensor name, element count, type, data offset)], file size). The metadata also
+    holds ``_data_start``: where the tensor data begins (the header's end, aligned to
+    ``general.alignment``); each tensor's offset counts from there. A header alone (a file cut
+    short, the hub's header prefix) reads: whether the data is all there is ``data_end``'s to say."""
     try:
         handle = open(path, "rb")
     except FileNotFoundError:
@@ -106,11 +109,15 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int]
                     name = cursor.string()
                     dims = [cursor.scalar(T.UINT64) for _ in range(cursor.scalar(T.UINT32))]
                     kind = cursor.scalar(T.UINT32)
-                    cursor.scalar(T.UINT64)  # offset
+                    offset = cursor.scalar(T.UINT64)
                     elements = 1
                     for dim in dims:
                         elements *= dim
-                    tensors.append((name, elements, kind))
+                    tensors.append((name, elements, kind, offset))
+                alignment = metadata.get("general.alignment")
+                if not isinstance(alignment, int) or alignment <= 0:
+                    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+                metadata["_data_start"] = -(-cursor.offset // alignment) * alignment
             except (struct.error, ValueError, IndexError) as error:
                 raise UnreadableModel(f"{path.name} has a damaged GGUF header ({error}).",
                                       details={"path": str(path)}) from None
@@ -125,6 +132,14 @@ def tensor_bytes(elements: int, kind: int) -> int:
     except (ValueError, KeyError):
         raise UnreadableModel(f"Unknown GGUF tensor type {kind}.") from None
     return elements // block * type_size
+
+
+def data_end(metadata: dict[str, Any], tensors: list[tuple[str, int, int, int]]) -> int:
+    """The byte at which the tensor data ends: the furthest tensor's offset plus its size, from
+    the data's start. A file shorter than this was cut short (a copy or download interrupted):
+    its header reads, llama.cpp refuses to load it."""
+    return metadata["_data_start"] + max((offset + tensor_bytes(elements, kind)
+                                          for _, elements, kind, offset in tensors), default=0)
 
 
 def read_shape(path: str | Path) -> ModelShape:
@@ -175,7 +190,7 @@ def _read_shape_cached(path: str, size: int, mtime_ns: int) -> ModelShape:
 
     per_layer = [0] * layers
     input_bytes = output_bytes = total = 0
-    for name, elements, kind in tensors:
+    for name, elements, kind, _ in tensors:
         size_of = tensor_bytes(elements, kind)
         total += size_of
         if name.startswith("blk."):
@@ -198,7 +213,7 @@ def _read_shape_cached(path: str, size: int, mtime_ns: int) -> ModelShape:
         context_length=key("context_length"), vocab_size=vocab if isinstance(vocab, int) else None,
         feed_forward=max(ff) if isinstance(ff, list) else ff, weights_bytes=total,
         layer_weights_bytes=tuple(per_layer), input_weights_bytes=input_bytes, output_weights_bytes=output_bytes,
-        file_bytes=size, weight_type=weight_type, sliding_window=window, sliding_window_layers=swa_layers,
+        file_bytes=size, data_end_bytes=data_end(metadata, tensors), weight_type=weight_type, sliding_window=window, sliding_window_layers=swa_layers,
         kv_lora_rank=key("attention.kv_lora_rank"), rope_head_dim=key("rope.dimension_count"),
         model_key=f"gguf:{Path(path).name}:{size}:{metadata['_fingerprint']}",
     )

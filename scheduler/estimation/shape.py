@@ -31,6 +31,8 @@ class ModelShape:
     rope_head_dim: int | None = None
     dtype_bytes: float = 2.0  # of the unquantised weights/activations (vLLM "auto" KV dtype)
     model_key: str = ""  # identifies the model files for calibration
+    # GGUF: where the last tensor's data ends; beyond ``file_bytes`` the file was cut short (None: not known)
+    data_end_bytes: int | None = None
 
     def kv_bytes_per_token(self, cache_bytes: float, context: int | None = None) -> float:
         """Bytes of K and V cache per token of context, across layers.

@@ -1,5 +1,6 @@
-"""Can a node's engine load this model? For GGUF, the architecture in the header against what the
-installed llama.cpp knows; for safetensors, ``config.json``'s architectures against vLLM's.
+"""Can a node's engine load this model? For GGUF, the file whole (its tensor data ends within it)
+and the architecture in the header against what the installed llama.cpp knows; for safetensors,
+``config.json``'s architectures against vLLM's.
 
 llama.cpp's architecture names (``LLM_ARCH_NAMES`` in ``src/llama-arch.cpp``) are read from the
 installed ``llama-server`` binary when it is here: they sit in one run of strings between
@@ -97,6 +98,12 @@ def check(path: str | Path, *, profile: dict | None = None, with_estimate: bool 
             shape = read_model(path)
         except (ModelNotFound, UnreadableModel) as error:
             return Servability(False, "llamacpp", "", error.message)
+        if shape.data_end_bytes is not None and shape.data_end_bytes > shape.file_bytes:
+            # Its header reads, so nothing else would notice: llama.cpp fails on every launch.
+            return Servability(False, "llamacpp", shape.architecture,
+                               f"{path.name} is cut short: its tensor data ends at byte {shape.data_end_bytes:,} "
+                               f"but the file has {shape.file_bytes:,} bytes "
+                               f"({shape.data_end_bytes - shape.file_bytes:,} missing); copy or fetch it again.")
         if shape.architecture not in llamacpp_architectures():
             return Servability(False, "llamacpp", shape.architecture,
                                f"The installed llama.cpp ({SOURCE_VERSION}) does not know the architecture "

@@ -11,7 +11,9 @@ stands it may make room by stopping idle on-demand replicas of lower (or, for a 
 
 A model nothing will bring up by request is refused at once, saying why: a parked one (the recovery
 ladder gave up on it) with its park reason and last error; an always-on one (scaling minimum 1 or
-more, placed by the reconcile loop, not by requests) with the placement policy's latest reason.
+more, placed by the reconcile loop, not by requests) with the placement policy's latest reason —
+unless that loop is bringing it back (its replica failed or ended after it was placed): then a
+request waits for it as for a load, and is told when to retry.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+import time
 
 from django.conf import settings
 from django.core.cache import cache
@@ -27,7 +30,9 @@ from django.utils import timezone
 
 from berth.errors import BerthError, Unavailable
 from scheduler import recovery_service
-from scheduler.models import PlacementDecision
+from scheduler.conf import policy_settings
+from scheduler.models import PlacementDecision, RecoveryState
+from scheduler.policy import recovery
 from serving.catalog import room
 from serving.control import placement
 from serving.deployments import service
@@ -48,10 +53,13 @@ class NotLoadable(Unavailable):
 
 @dataclasses.dataclass(frozen=True)
 class LoadTicket:
-    """A load is under way (or was asked for); ``expected_seconds`` is how long until it should be up."""
+    """A load is under way (or was asked for); ``expected_seconds`` is how long until it should be up.
+    ``coming_back``: why an always-on model with no replica comes up again without a request's
+    help (the reconcile loop relaunches it); "" for a load a request asked for."""
 
     model: str
     expected_seconds: float
+    coming_back: str = ""
 
 
 def entry_for(name: str) -> ModelEntry | None:
@@ -133,6 +141,47 @@ def _why_not_placed(entry: ModelEntry) -> tuple[str, str]:
     return "not placed yet; the reconcile loop places it once it fits", ""
 
 
+# The policy's verdicts after which an always-on model with no replica comes back by itself:
+# placed (its replica has since failed or ended: the next pass relaunches it), backing off before
+# the relaunch, held back while it gave room. Not unschedulable (fits nowhere as the fleet stands)
+# nor parked: those are refused with the policy's reason.
+COMING_BACK = (PlacementDecision.Verdict.PLACED, PlacementDecision.Verdict.BACKOFF, PlacementDecision.Verdict.HELD)
+
+
+def _pass_every_s() -> float:
+    """How often beat runs the reconcile pass that relaunches always-on models (its schedule)."""
+    return next((float(entry["schedule"]) for entry in settings.CELERY_BEAT_SCHEDULE.values()
+                 if entry.get("task") == "serving.reconcile"), 15.0)
+
+
+def _coming_back(name: str) -> tuple[float, str] | None:
+    """For an always-on model the reconcile loop is bringing back: the seconds until its relaunch
+    starts at the latest (the next pass, the backoff or the hold left) and why; None for anything
+    else (not in the catalog, on demand, parked, nothing servable, never placed, fits nowhere)."""
+    entry = entry_for(name)
+    if entry is None or entry.scaling_min == 0 or recovery_service.parked_now(entry.name, entry.fingerprint):
+        return None
+    latest = (PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN, model=entry.name)
+              .order_by("-created_at", "-id").values_list("verdict", flat=True).first())
+    if latest not in COMING_BACK or room.desired_model(entry) is None:
+        return None
+    now = time.time()
+    start_in, why = _pass_every_s(), "its replica ended; the reconcile loop relaunches it"
+    failure = RecoveryState.objects.filter(model=entry.name, consecutive__gt=0, last_failure_at__isnull=False) \
+        .values("kind", "consecutive", "last_failure_at").first()
+    if failure is not None:
+        not_before = failure["last_failure_at"].timestamp() + recovery.backoff(failure["consecutive"],
+                                                                                policy_settings())
+        if not_before > now:
+            start_in = max(start_in, not_before - now)
+            why = f"its replica failed ({failure['kind']}); relaunched after the recovery ladder's backoff"
+    hold = next((h for h in cache.get(placement.HOLDS_KEY) or () if h.get("model") == entry.name), None)
+    if hold is not None and hold["until"] > now:
+        start_in = max(start_in, hold["until"] - now)
+        why = "held back after giving room to another model; relaunched when the hold ends"
+    return start_in, why
+
+
 def _asked_key(name: str) -> str:
     return f"berth:ondemand:policy-said:{name}"
 
@@ -154,6 +203,10 @@ def _expected_load_seconds(deployments: list[Deployment]) -> float:
 def request_load(model_name: str) -> LoadTicket:
     """Ask for ``model_name`` to be made ready; return at once with the expected wait.
 
+    An always-on model that the reconcile loop is bringing back (``_coming_back``: its replica
+    failed or ended and the next pass relaunches it, after the recovery ladder's backoff or a hold)
+    gets a ticket too, ``coming_back`` saying why: the gateway waits for it like a load.
+
     Raises ``NotLoadable`` (503, code ``model_not_loaded``) when nothing can bring it up, its
     ``details`` saying why (``reason``; for a parked model also ``parked``, ``failure`` and
     ``last_error``; for an always-on one, ``policy``: what the placement policy last said).
@@ -161,6 +214,11 @@ def request_load(model_name: str) -> LoadTicket:
     deployments = [d for d in Deployment.objects.filter(name=model_name)]
     loadable = [d for d in deployments if d.state in LOADABLE]
     if not loadable:
+        back = _coming_back(model_name)
+        if back is not None:
+            start_in, why = back
+            return LoadTicket(model=model_name, expected_seconds=start_in + _expected_load_seconds(deployments),
+                              coming_back=why)
         try:  # an on-demand model: its first request loads it (starting or placing a deployment)
             loadable = [load(model_name)]
         except NotLoadable as refusal:

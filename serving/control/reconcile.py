@@ -5,6 +5,8 @@ The agents reconcile what runs on their own node (``serving.node.heartbeat``).""
 
 from __future__ import annotations
 
+from django.db import transaction
+
 from scheduler.models import Node
 from serving import queues
 from serving.control import placement
@@ -31,10 +33,21 @@ def run_soon() -> int:
 
 
 def fail_replicas_of_lost_nodes() -> int:
+    """Fail what a lost node was running, node by node under its row lock, the node read again
+    first: one whose agent registered meanwhile is back, and its agent keeps its replicas (a
+    registration waits for this lock, so an agent never adopts while its replicas are being failed).
+    The reason goes on the row too (``exit_reason``): an agent that comes back finds by it the
+    replicas it may take back (``serving.node.adopt.take_back``), so its wording is kept."""
     failed = 0
-    for replica in Replica.objects.select_related("deployment", "node").filter(
-            node__state=Node.State.LOST, state__in=ACTIVE + (S.STOPPING,)):
-        if states.move(replica, S.FAILED, f"node {replica.node.name} is lost (no heartbeat): "
-                                          "its engines cannot be reached or stopped from here"):
-            failed += 1
+    lost = Node.objects.filter(state=Node.State.LOST, replicas__state__in=ACTIVE + (S.STOPPING,)).distinct()
+    for node_id in lost.values_list("pk", flat=True):
+        with transaction.atomic():
+            node = Node.objects.select_for_update().get(pk=node_id)
+            if node.state != Node.State.LOST:
+                continue
+            for replica in Replica.objects.select_related("deployment", "node").filter(
+                    node=node, state__in=ACTIVE + (S.STOPPING,)):
+                message = f"node {node.name} is lost (no heartbeat): its engines cannot be reached or stopped from here"
+                if states.move(replica, S.FAILED, message, exit_reason=message[:300]):
+                    failed += 1
     return failed

@@ -32,7 +32,11 @@ ALLOWED = {
     S.SLEEPING: {S.READY, S.STOPPING, S.FAILED},
     S.STOPPING: {S.STOPPED, S.FAILED},  # failed: its node was lost while it stopped
     S.STOPPED: {S.FAILED},  # a failure found after it stopped (its node lost with it): the reason is kept
-    S.FAILED: {S.STOPPED, S.FAILED},  # failed again: a later failure's reason and log tail replace the first
+    # failed again: a later failure's reason and log tail replace the first. Ready: its node came
+    # back and its engine still runs — a replica failed only because its node was lost (no
+    # heartbeat) is taken back by the node's agent, its memory and contract share claimed again
+    # under the node's lock (``serving.node.adopt.take_back``); the only way back from failed.
+    S.FAILED: {S.STOPPED, S.FAILED, S.READY},
     S.UNKNOWN: {S.READY, S.STOPPING, S.FAILED},
 }
 

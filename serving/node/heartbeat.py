@@ -24,7 +24,10 @@ log = logging.getLogger(__name__)
 
 def check_liveness(node: Node) -> None:
     """A replica that should be running whose engine exited or vanished moves to failed; a queued
-    start that waited too long fails; a lost dispatch (agent restart) is sent again."""
+    start that waited too long fails; a lost dispatch (agent restart) is sent again. Replicas
+    failed while this node was lost (its beats late, the agent never stopped) are taken back or
+    have their engines stopped, as after a restart (``adopt.take_back``)."""
+    adopt.take_back(node)
     for replica in Replica.objects.select_related("deployment", "node").filter(
             node=node, state__in=RESIDENT):
         handle = handle_of(replica)

@@ -58,10 +58,16 @@ def _level_key(node) -> str:
     return f"berth:watchdog:level:{node.pk}"
 
 
-def levels(nodes) -> dict[str, str]:
-    """{node name: level} for the nodes with a known level (one cache round trip)."""
+def levels(nodes) -> dict[str, str] | None:
+    """{node name: level} for the nodes with a known level (one cache round trip), or None when the
+    cache cannot be read (Redis down): then no level is known, which is not "all ok". Every console
+    page shows these, so a cache that is away must cost the banner, never the page."""
     nodes = list(nodes)
-    found = cache.get_many([_level_key(node) for node in nodes])
+    try:
+        found = cache.get_many([_level_key(node) for node in nodes])
+    except Exception as exc:  # noqa: BLE001 - any backend's failure (Redis refusing, a file cache unreadable)
+        log.warning("memory levels not known: the cache cannot be read (%s: %s)", type(exc).__name__, exc)
+        return None
     return {node.name: found[_level_key(node)] for node in nodes if found.get(_level_key(node))}
 
 

@@ -1,8 +1,9 @@
 """Rate limits, concurrency and budgets up the tree, in Redis, across gateway processes.
 
-A burst here may straddle a minute boundary, and need not wait to keep clear of one: the sliding
-window weighs the bucket just ended almost fully, so a quick burst across it counts as one
-(test_redis_limiter.py drives the clock across a boundary to show it)."""
+A burst here may straddle a minute boundary, and need not wait to keep clear of one: the window
+slides exactly (a log of the last 60 s), so a quick burst across a boundary counts as one
+(test_redis_limiter.py drives the clock across boundaries to show it; test_limiter_faults.py covers
+Redis lost or stalled)."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor

@@ -1,6 +1,10 @@
-"""The in-process limiter of the embedded mode (no Redis): the Lua script's semantics, in one process."""
+"""The in-process limiter of the embedded mode (no Redis): the Lua script's semantics, in one process,
+the exact window included (no 60 s interval admits more than the limit)."""
 
 import asyncio
+import heapq
+import math
+import random
 import uuid
 
 import pytest
@@ -28,8 +32,23 @@ def plan(**levels):
                       if levels.get("daily") or levels.get("monthly") else [])
 
 
+def nothing_spent_before(path, since, until):
+    """Budgets start from these usage records (none) where a test is not about rebuilding them."""
+    return 0
+
+
 def run(coroutine):
     return asyncio.run(coroutine)
+
+
+def most_in_any_minute(times_ms: list[int]) -> int:
+    """The most of ``times_ms`` (ascending) that any 60 s interval holds, wherever it starts."""
+    most, first = 0, 0
+    for last, at in enumerate(times_ms):
+        while times_ms[first] <= at - 60_000:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
 
 
 def headers_of(admission_or_error):
@@ -47,16 +66,96 @@ def test_requests_per_minute_refuse_with_retry_after_and_slide():
     with pytest.raises(RateLimited) as refused:
         run(limiter.admit(p, "r"))
     headers = headers_of(refused.value)
-    assert refused.value.code == "rate_limit_exceeded" and int(headers["retry-after"]) >= 1
-    assert headers["x-ratelimit-remaining-requests"] == "0"
-    # Next minute, 30 s in: the previous bucket still weighs half of 3 = 1.5, so one more fits, not two.
-    clock.now += 70
-    run(limiter.admit(p, "r"))
+    # The three admitted at START leave the window 60 s later, and not a moment before.
+    assert refused.value.code == "rate_limit_exceeded" and headers["retry-after"] == "60"
+    assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-ratelimit-reset-requests"] == "60s"
+    clock.now = START + 59.999  # in the next minute: a bucket estimate would admit here
     with pytest.raises(RateLimited):
         run(limiter.admit(p, "r"))
-    # Two minutes on, the window is empty again.
-    clock.now += 120
-    run(limiter.admit(p, "r"))
+    clock.now = START + 60
+    for _ in range(3):
+        run(limiter.admit(p, "r"))
+    with pytest.raises(RateLimited):
+        run(limiter.admit(p, "r"))
+
+
+def test_a_flood_across_minute_boundaries_never_passes_the_limit_in_any_60_s():
+    """As in test_redis_limiter.py: 60/min flooded from second 52 of a minute, 60 in every 60 s."""
+    boundary = START - 20
+    clock = Clock(boundary - 8)
+    limiter = LocalLimiter(lease_seconds=60, clock=clock)
+    p = plan(rpm=60)
+    times = []
+    for step in range(720):
+        clock.now = boundary - 8 + step * 0.25
+        try:
+            run(limiter.admit(p, f"r{step}"))
+        except RateLimited:
+            continue
+        times.append(round(clock.now * 1000))
+    assert most_in_any_minute(times) == 60 and len(times) == 180
+
+
+def test_bursts_at_random_times_never_pass_the_limit_in_any_60_s():
+    clock = Clock()
+    limiter = LocalLimiter(lease_seconds=60, clock=clock)
+    p = plan(rpm=25)
+    moments = random.Random(14)
+    times, now = [], START
+    for step in range(300):
+        now += moments.choice((0, 0, 0.001, 0.4, 2.5, 9.0, 31.0))
+        clock.now = now
+        try:
+            admission = run(limiter.admit(p, f"r{step}"))
+        except RateLimited as refused:
+            assert most_in_any_minute(times + [round(now * 1000)]) > 25
+            oldest_out = (times[-25] + 60_000 - round(now * 1000)) / 1000
+            assert int(headers_of(refused)["retry-after"]) == max(1, math.ceil(oldest_out))
+            continue
+        times.append(round(now * 1000))
+        in_window = sum(1 for at in times if at > times[-1] - 60_000)
+        assert headers_of(admission)["x-ratelimit-remaining-requests"] == str(25 - in_window)
+    assert most_in_any_minute(times) == 25 and len(times) > 100
+
+
+def test_a_request_is_admitted_exactly_while_the_tokens_of_the_last_60_s_are_under_the_limit():
+    clock = Clock()
+    limiter = LocalLimiter(lease_seconds=60, clock=clock)
+    p = plan(tpm=1000)
+    moments = random.Random(15)
+    charged, ends, outcomes, now = [], [], [], START
+    for step in range(400):
+        now += moments.choice((0.05, 0.3, 1.0, 4.0))
+        while ends and ends[0][0] <= now:
+            clock.now, request, tokens = heapq.heappop(ends)
+            limiter.settle(p, f"r{request}", tokens)
+            charged.append((round(clock.now * 1000), tokens))
+        clock.now = now
+        in_window = sum(tokens for when, tokens in charged if when > round(now * 1000) - 60_000)
+        try:
+            admission = run(limiter.admit(p, f"r{step}"))
+        except RateLimited as refused:
+            assert refused.details["of"] == "tokens"
+            outcomes.append((in_window, False))
+            continue
+        outcomes.append((in_window, True))
+        assert headers_of(admission)["x-ratelimit-remaining-tokens"] == str(max(0, 1000 - in_window))
+        heapq.heappush(ends, (now + moments.choice((0.0, 0.5, 3.0, 20.0)), step, moments.randint(1, 300)))
+    assert all((in_window < 1000) == was_admitted for in_window, was_admitted in outcomes)
+    assert sum(1 for _, was_admitted in outcomes if not was_admitted) > 20
+
+
+def test_a_repeated_request_id_takes_a_lease_of_its_own():
+    limiter = LocalLimiter(lease_seconds=60, clock=Clock())
+    p = plan(concurrency=2)
+    run(limiter.admit(p, "same"))
+    run(limiter.admit(p, "same"))
+    with pytest.raises(ConcurrencyLimited):
+        run(limiter.admit(p, "same"))
+    limiter.settle(p, "same", 0)
+    run(limiter.admit(p, "same"))
+    with pytest.raises(ConcurrencyLimited):
+        run(limiter.admit(p, "same"))
 
 
 def test_tokens_per_minute_are_charged_on_settle():
@@ -91,7 +190,7 @@ def test_concurrency_leases_release_on_settle_and_expire():
 
 def test_hard_budget_refuses_until_the_next_day_and_soft_budget_warns():
     clock = Clock()
-    limiter = LocalLimiter(lease_seconds=60, clock=clock)
+    limiter = LocalLimiter(lease_seconds=60, clock=clock, spent=nothing_spent_before)
     hard = plan(daily=100)
     run(limiter.admit(hard, "a"))
     limiter.settle(hard, "a", 100)
@@ -124,9 +223,9 @@ def test_every_level_is_checked_and_none_charged_on_refusal():
     assert headers_of(run(limiter.admit(alone, "c")))["x-ratelimit-remaining-requests"] == "98"
 
 
-@pytest.mark.parametrize("levels", [{"rpm": 2}, {"concurrency": 1}, {"daily": 5}])
+@pytest.mark.parametrize("levels", [{"rpm": 2}, {"concurrency": 1}, {"daily": 5}, {"tpm": 5, "rpm": 5}])
 def test_same_answers_as_the_lua_script(levels, settings):
-    """The same sequence through Redis and in-process gives the same admissions and refusals."""
+    """The same sequence through Redis and in-process gives the same admissions, refusals and headers."""
     import redis.asyncio as aioredis
 
     if not settings.REDIS_URL:
@@ -137,9 +236,9 @@ def test_same_answers_as_the_lua_script(levels, settings):
         for step in range(3):
             try:
                 admission = await limiter.admit(p, f"r{step}")
-                outcomes.append(("ok", headers_of(admission).get("x-ratelimit-remaining-requests")))
+                outcomes.append(("ok", headers_of(admission)))
             except RateLimited as error:
-                outcomes.append((error.code, headers_of(error).get("x-ratelimit-remaining-requests")))
+                outcomes.append((error.code, headers_of(error)))
             if step == 0:
                 limiter.settle(p, f"r{step}", 5)
                 await limiter.drain()
@@ -148,10 +247,12 @@ def test_same_answers_as_the_lua_script(levels, settings):
     async def both():
         redis = aioredis.Redis.from_url(settings.REDIS_URL)
         try:
-            through_redis = await sequence(Limiter(redis, lease_seconds=60), plan(**levels))
+            through_redis = await sequence(Limiter(redis, lease_seconds=60, clock=Clock(), spent=nothing_spent_before),
+                                           plan(**levels))
         finally:
             await redis.aclose()
-        in_process = await sequence(LocalLimiter(lease_seconds=60), plan(**levels))
+        in_process = await sequence(LocalLimiter(lease_seconds=60, clock=Clock(), spent=nothing_spent_before),
+                                    plan(**levels))
         return through_redis, in_process
 
     through_redis, in_process = run(both())

@@ -1,11 +1,17 @@
 """The Redis limiter's scripts on a driven clock: windows, boundaries, settlements and leases at the
-times the test chooses, against a real Redis, without waiting for any of them.
+times the test chooses, against a real Redis, without waiting for any of them. The window is exact:
+no 60 s interval, wherever it starts, admits more than the limit (a flood slid across minute
+boundaries shows it), and a request is admitted exactly while the tokens charged in the last 60 s
+are under the tokens limit.
 
 In production the scripts read Redis's ``TIME``; here ``Limiter(redis, lease, clock=...)`` hands them
 the test's time instead (what ``LocalLimiter`` takes too, see test_local_limiter.py).
 """
 
 import asyncio
+import heapq
+import math
+import random
 import uuid
 
 import pytest
@@ -72,29 +78,131 @@ async def admitted(limiter, p, request_id="r") -> bool:
     return True
 
 
+def most_in_any_minute(times_ms: list[int]) -> int:
+    """The most of ``times_ms`` (ascending) that any 60 s interval holds, wherever it starts."""
+    most, first = 0, 0
+    for last, at in enumerate(times_ms):
+        while times_ms[first] <= at - 60_000:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
 def test_requests_per_minute_refuse_with_retry_after_and_slide(ident):
     clock = Clock(BOUNDARY + 20)
     p = plan(ident, rpm=3)
 
     async def steps(limiter):
         for remaining in (2, 1, 0):
-            assert headers_of(await limiter.admit(p, "r"))["x-ratelimit-remaining-requests"] == str(remaining)
+            admission = headers_of(await limiter.admit(p, "r"))
+            assert admission["x-ratelimit-remaining-requests"] == str(remaining)
+            assert admission["x-ratelimit-reset-requests"] == "60s"  # the window is empty again 60 s on
+        clock.now += 10
         with pytest.raises(RateLimited) as refused:
             await limiter.admit(p, "r")
-        assert int(headers_of(refused.value)["retry-after"]) >= 1
+        # The three admitted at +20 leave the window at +80: 50 s from now, and not a moment before.
+        assert headers_of(refused.value)["retry-after"] == "50"
         assert headers_of(refused.value)["x-ratelimit-remaining-requests"] == "0"
-        # Next minute, 30 s in: the previous bucket still weighs half of 3 = 1.5, so one more fits, not two.
-        clock.now += 70
-        assert await admitted(limiter, p) and not await admitted(limiter, p)
-        clock.now += 120  # two minutes on, the window is empty again
-        assert await admitted(limiter, p)
+        assert headers_of(refused.value)["x-ratelimit-reset-requests"] == "50s"
+        clock.now = BOUNDARY + 79.999  # in the next minute: a bucket estimate would admit here
+        assert not await admitted(limiter, p)
+        clock.now = BOUNDARY + 80
+        assert [await admitted(limiter, p) for _ in range(4)] == [True, True, True, False]
 
     run(steps, clock)
 
 
+def test_a_flood_across_minute_boundaries_never_passes_the_limit_in_any_60_s(ident):
+    """The drill of issue 14: 60/min, a flood from second 52 of a minute. Two estimated buckets let
+    112 through in one real 60 s window; the log lets exactly 60 through in every one, and uses
+    all of them (180 in three minutes)."""
+    clock = Clock(BOUNDARY - 8)
+    p = plan(ident, rpm=60)
+
+    async def steps(first, second):
+        times = []
+        for step in range(720):  # four attempts a second for three minutes, from two processes
+            clock.now = BOUNDARY - 8 + step * 0.25
+            if await admitted((first, second)[step % 2], p, f"r{step}"):
+                times.append(round(clock.now * 1000))
+        return times
+
+    times = run(steps, clock, count=2)
+    assert most_in_any_minute(times) == 60
+    assert len(times) == 180
+
+
+def test_bursts_at_random_times_never_pass_the_limit_in_any_60_s(ident):
+    clock = Clock(BOUNDARY - 30)
+    p = plan(ident, rpm=25)
+    moments = random.Random(14)
+
+    async def steps(first, second):
+        times, now = [], BOUNDARY - 30
+        for step in range(300):
+            now += moments.choice((0, 0, 0.001, 0.4, 2.5, 9.0, 31.0))  # bursts, trickles and lulls
+            clock.now = now
+            limiter = (first, second)[moments.random() < 0.5]
+            try:
+                admission = await limiter.admit(p, f"r{step}")
+            except RateLimited as refused:
+                # Refused only when the window is full, and told when it is not.
+                assert most_in_any_minute(times + [round(now * 1000)]) > 25
+                wait = int(headers_of(refused)["retry-after"])
+                oldest_out = (times[-25] + 60_000 - round(now * 1000)) / 1000
+                assert wait == max(1, math.ceil(oldest_out))
+                continue
+            times.append(round(now * 1000))
+            in_window = sum(1 for at in times if at > times[-1] - 60_000)
+            assert headers_of(admission)["x-ratelimit-remaining-requests"] == str(25 - in_window)
+        return times
+
+    times = run(steps, clock, count=2)
+    assert most_in_any_minute(times) == 25
+    assert len(times) > 100  # the limit is used, not merely respected
+
+
+def test_a_request_is_admitted_exactly_while_the_tokens_of_the_last_60_s_are_under_the_limit(ident):
+    """Tokens are charged when each answer is in (settled at its own end, in any order); every
+    admission is checked against what was charged in the 60 s before it, across boundaries."""
+    clock = Clock(BOUNDARY - 50)
+    p = plan(ident, tpm=1000)
+    moments = random.Random(15)
+
+    async def steps(first, second):
+        charged: list[tuple[int, int]] = []  # (ms, tokens) as settled
+        ends: list[tuple[float, int, int]] = []  # (when, request, tokens) still to settle
+        outcomes, now = [], BOUNDARY - 50
+        for step in range(400):
+            now += moments.choice((0.05, 0.3, 1.0, 4.0))
+            while ends and ends[0][0] <= now:  # the answers that came in meanwhile, in time order
+                clock.now, request, tokens = heapq.heappop(ends)
+                limiter = (first, second)[request % 2]
+                limiter.settle(p, f"r{request}", tokens)
+                await limiter.drain()
+                charged.append((round(clock.now * 1000), tokens))
+            clock.now = now
+            at = round(now * 1000)
+            in_window = sum(tokens for when, tokens in charged if when > at - 60_000)
+            try:
+                admission = await (first, second)[step % 2].admit(p, f"r{step}")
+            except RateLimited as refused:
+                assert refused.details["of"] == "tokens"
+                outcomes.append((in_window, False))
+                continue
+            outcomes.append((in_window, True))
+            assert headers_of(admission)["x-ratelimit-remaining-tokens"] == str(max(0, 1000 - in_window))
+            heapq.heappush(ends, (now + moments.choice((0.0, 0.5, 3.0, 20.0)), step, moments.randint(1, 300)))
+        return outcomes
+
+    outcomes = run(steps, clock, count=2)
+    assert all((in_window < 1000) == was_admitted for in_window, was_admitted in outcomes)
+    assert sum(1 for _, was_admitted in outcomes if not was_admitted) > 20  # the limit was reached, often
+
+
 def test_a_burst_straddling_a_minute_boundary_admits_exactly_the_limit(ident):
-    """Why the gateway's own burst tests need not keep away from a boundary: the sliding window
-    weighs the bucket just ended almost fully, so a quick burst across it counts as one."""
+    """Why the gateway's own burst tests need not keep away from a boundary: the window slides, so a
+    quick burst across it counts as one."""
     clock = Clock(BOUNDARY + 59.7)
     p = plan(ident, rpm=8)
 
@@ -148,3 +256,22 @@ def test_a_concurrency_lease_that_never_settles_expires_on_the_driven_clock(iden
         await limiter.admit(p, "b")
 
     run(steps, clock, lease_seconds=30)
+
+
+def test_a_repeated_request_id_takes_a_lease_of_its_own(ident):
+    """A caller chooses its X-Request-Id: sending one id with every request must not share one lease."""
+    clock = Clock(BOUNDARY + 5)
+    p = plan(ident, concurrency=2)
+
+    async def steps(limiter):
+        await limiter.admit(p, "same")
+        await limiter.admit(p, "same")
+        with pytest.raises(ConcurrencyLimited):
+            await limiter.admit(p, "same")
+        limiter.settle(p, "same", 0)  # one of them ends: one slot frees, the other stays held
+        await limiter.drain()
+        await limiter.admit(p, "same")
+        with pytest.raises(ConcurrencyLimited):
+            await limiter.admit(p, "same")
+
+    run(steps, clock)

@@ -206,3 +206,14 @@ def test_vllm_kv_is_max_model_len_times_max_num_seqs_and_the_pool_leaves_tokens(
     assert fp8.kv_cache_bytes == estimate.kv_cache_bytes // 2
     split = estimate_vllm(shape, VllmConfig(max_model_len=2048, max_num_seqs=8, tensor_parallel_size=2))
     assert split.kv_cache_bytes == estimate.kv_cache_bytes // 2
+
+
+def test_the_gguf_data_extent_is_read_and_a_file_cut_short_still_reads_its_header(gguf_model, tmp_path):
+    path = gguf_model("whole.gguf")
+    whole = gguf_header.read_shape(path)
+    assert whole.data_end_bytes == whole.file_bytes == path.stat().st_size  # the last tensor ends the file
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-3])
+    short = gguf_header.read_shape(cut)  # a hand deploy still gets its estimate (and the engine its say)
+    assert (short.data_end_bytes, short.file_bytes) == (whole.data_end_bytes, whole.file_bytes - 3)
+    assert short.weights_bytes == whole.weights_bytes

@@ -43,3 +43,65 @@ def test_unknown_architecture_is_refused_as_llama_server_would(tmp_path, llama_s
         assert "unknown model architecture" in server.log_tail(20000)
     finally:
         server.stop()
+
+
+# --- a file cut short -------------------------------------------------------------------------------
+
+def cut_short(whole, target, keep: int):
+    target.write_bytes(whole.read_bytes()[:keep])
+    return target
+
+
+@pytest.mark.parametrize("cut", ["a few bytes", "a third"])
+def test_a_truncated_gguf_is_not_servable_and_the_reason_names_both_sizes(tmp_path, cut):
+    whole = write_gguf(tmp_path / "whole.gguf", ModelShape())
+    size = whole.stat().st_size
+    keep = size - 3 if cut == "a few bytes" else size - size // 3
+    model = cut_short(whole, tmp_path / "cut.gguf", keep)
+    verdict = servability.check(model, profile={"engine": "llamacpp", "context": 512})
+    assert not verdict.servable and verdict.architecture == "llama" and verdict.estimate is None
+    assert f"ends at byte {size:,}" in verdict.reason and f"the file has {keep:,} bytes" in verdict.reason
+    assert f"({size - keep:,} missing)" in verdict.reason
+    assert servability.check(whole).servable  # the same model whole
+
+
+def test_llama_server_refuses_a_gguf_three_bytes_short_as_servability_does(tmp_path, llama_server_binary):
+    whole = write_gguf(tmp_path / "whole.gguf", ModelShape())
+    model = cut_short(whole, tmp_path / "cut.gguf", whole.stat().st_size - 3)
+    assert not servability.check(model).servable
+    server = LlamaServer(llama_server_binary, model, tmp_path / "cut.log")
+    try:
+        wait_until(lambda: server.process.poll() is not None, 60, what="llama-server to refuse the file")
+        assert "not within the file bounds" in server.log_tail(20000)
+    finally:
+        server.stop()
+
+
+def test_an_always_on_catalog_model_cut_short_is_not_launched(tmp_path, settings, monkeypatch):
+    """Placement asks servability: a truncated file is never launched (five doomed launches and a
+    park were what followed); the whole file is."""
+    import dataclasses
+
+    from django.core.cache import cache
+
+    from scheduler.services import register_node
+    from serving import queues
+    from serving.catalog.entries import import_local
+    from serving.control import placement
+    from serving.models import ModelEntry
+    from serving.node.discovery import local_node_report
+    from tenancy.audit import Actor
+
+    cache.clear()
+    root = tmp_path / "models"
+    root.mkdir()
+    settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
+    register_node(dataclasses.replace(local_node_report(), name="cut-node"))
+    monkeypatch.setattr(queues, "to_node", lambda operation, replica: None)
+    whole = write_gguf(tmp_path / "whole.gguf", ModelShape())
+    for name, source in (("cut", cut_short(whole, tmp_path / "cut.gguf", whole.stat().st_size * 2 // 3)),
+                         ("whole", whole)):
+        entry = import_local(Actor(system="tests"), source, name=name)
+        ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=1, scaling_max=1,
+                                                      profiles=[{**entry.profiles[0], "context": 256}])
+    assert placement.reconcile()["launched"] == ["whole"]

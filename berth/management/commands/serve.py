@@ -1,16 +1,19 @@
+import http.client
 import sys
 import urllib.request
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import InterfaceError, OperationalError, close_old_connections
 
 from berth.supervisor import Supervisor
 from berth.web import uvicorn_command
-from serving.models import Deployment
+from serving.models import Deployment, DeploymentState
 
 
 class Command(BaseCommand):
-    help = "Run the web server (uvicorn), a Celery worker, Celery beat and the node agent as one group; Ctrl-C stops all."
+    help = ("Run the web server (uvicorn), a Celery worker, Celery beat and the node agent as one group: a program "
+            "that exits is started again (with backoff) and the others run on; Ctrl-C stops all.")
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1", help="Address the web server binds (default 127.0.0.1).")
@@ -42,34 +45,64 @@ class Command(BaseCommand):
 
         shown_host = f"[{host}]" if ":" in host else host
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown_host}:{port}/"
-        announced = False
-        ready_models: set[str] = set()
-        ticks = 0
+        supervisor = Supervisor(programs, out=self.stdout)
+        supervisor.run(on_tick=Announcer(url, supervisor.write, self.style))
 
-        def announce_when_up():
-            nonlocal announced, ticks
-            ticks += 1
-            if not announced:
-                try:
-                    with urllib.request.urlopen(url + "healthz", timeout=1) as response:
-                        announced = response.status == 200
-                except OSError:
-                    return
-                if announced:
-                    self.stdout.write(self.style.SUCCESS(f"\n  Berth console: {url}\n  Press Ctrl-C to stop.\n"))
-            if ticks % 8 == 0:  # every two seconds: say when a model becomes ready to serve
-                self._announce_models(ready_models)
 
-        status = Supervisor(programs, out=self.stdout).run(on_tick=announce_when_up)
-        if status:
-            raise CommandError(f"Berth stopped because a program failed (status {status}); see its output above.",
-                               returncode=status)
+def ready_model_names() -> list[str]:
+    return list(Deployment.objects.filter(state=DeploymentState.READY).values_list("name", flat=True))
 
-    def _announce_models(self, already: set[str]) -> None:
-        from django.db import close_old_connections
 
-        close_old_connections()
-        for name in Deployment.objects.filter(state="ready").values_list("name", flat=True):
-            if name not in already:
-                already.add(name)
-                self.stdout.write(self.style.SUCCESS(f"\n  Model {name} is ready.\n"))
+class Announcer:
+    """What `serve` says while its programs run, called by the supervisor every quarter second:
+    the console's URL once the web server answers, and each model as it becomes ready to serve.
+
+    A database that does not answer is said once per outage and asked again every two seconds:
+    `serve` waits it out and every program keeps running (one that exits meanwhile is restarted
+    by the supervisor).
+    """
+
+    MODELS_EVERY = 8  # ticks: every two seconds
+
+    def __init__(self, url: str, write, style):
+        self.url = url
+        self.write = write
+        self.style = style
+        self.announced = False
+        self.ready: set[str] = set()
+        self.ticks = 0
+        self.database_away = False
+
+    def __call__(self) -> None:
+        self.ticks += 1
+        if not self.announced and self._web_answers():
+            self.announced = True
+            self.write(self.style.SUCCESS(f"\n  Berth console: {self.url}\n  Press Ctrl-C to stop.\n"))
+        if self.ticks % self.MODELS_EVERY == 0:
+            self.check_models()
+
+    def _web_answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "healthz", timeout=1) as response:
+                return response.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def check_models(self) -> None:
+        try:
+            close_old_connections()  # one the outage broke is replaced, not reused
+            names = ready_model_names()
+        except (OperationalError, InterfaceError) as exc:
+            if not self.database_away:
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                self.write(self.style.WARNING(f"\n  The database does not answer ({first_line}); waiting for it. "
+                                              f"Every program keeps running.\n"))
+            self.database_away = True
+            return
+        if self.database_away:
+            self.database_away = False
+            self.write(self.style.SUCCESS("\n  The database answers again.\n"))
+        for name in names:
+            if name not in self.ready:
+                self.ready.add(name)
+                self.write(self.style.SUCCESS(f"\n  Model {name} is ready.\n"))
