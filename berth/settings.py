@@ -222,6 +222,13 @@ CELERY_BEAT_SCHEDULE = {
                                                                          "schedule": 15.0},
     "gateway: write usage parked while the database refused it": {"task": "gateway.retry_usage", "schedule": 60.0},
 }
+# Backups (berth/backup.py): where `manage.py backup` writes its archives and how many of the newest it
+# keeps; with a directory set, beat takes one a day.
+BACKUP_DIR = env.path("BERTH_BACKUP_DIR", None, BASE_DIR) if env.string("BERTH_BACKUP_DIR") else None
+BACKUP_KEEP = env.integer("BERTH_BACKUP_KEEP", 7, minimum=1, maximum=1000)
+if BACKUP_DIR is not None:
+    CELERY_BEAT_SCHEDULE["berth: back up the database and secrets"] = {"task": "berth.backup",
+                                                                       "schedule": 24 * 3600.0}
 CELERY_TIMEZONE = TIME_ZONE
 
 # Where engines are built and cached: outside the work tree, shared by every checkout.

@@ -30,7 +30,7 @@ import orjson
 from django.conf import settings
 
 from berth.errors import BerthError
-from gateway import bodies, metrics, splits
+from gateway import bodies, fleet_metrics, metrics, splits
 from gateway.auth import AuthCache, Principal
 from gateway.errors import (
     ERROR_TYPES,
@@ -366,7 +366,8 @@ class Gateway:
                 await self.models(call)
             elif path == "/metrics":
                 self._allow_metrics(call, scope)
-                await call.respond(200, metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+                body = metrics.render() + await run_db(fleet_metrics.render)  # the rows are read off the loop
+                await call.respond(200, body, b"text/plain; version=0.0.4; charset=utf-8")
                 return
             else:
                 raise EndpointNotFound(f"No such endpoint: {call.method} {path}.")

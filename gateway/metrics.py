@@ -1,7 +1,7 @@
 """Prometheus metrics of the gateway. The ``model`` label is always a catalog model name (one the
 routing table knows) or ``unknown`` — never a string a client sent, so nobody can grow the series."""
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 
 registry = CollectorRegistry(auto_describe=True)
 
@@ -18,6 +18,45 @@ WAITING = Gauge("berth_gateway_waiting", "Requests waiting now for a model to lo
                 registry=registry)
 TOKENS = Counter("berth_gateway_tokens", "Tokens processed, by model and kind (prompt, completion).",
                  ["model", "kind"], registry=registry)
+
+
+
+# The same figures under the OpenTelemetry GenAI semantic conventions' names (dots become
+# underscores in Prometheus), duplicated at scrape time: the series above keep their names.
+TOKEN_TYPE = {"prompt": "input", "completion": "output"}  # gen_ai.token.type's values
+
+
+def _genai_labels(labels: dict) -> dict:
+    out = {"gen_ai_request_model": labels["model"]}
+    if "endpoint" in labels:
+        out["gen_ai_operation_name"] = labels["endpoint"]
+    if "kind" in labels:
+        out["gen_ai_token_type"] = TOKEN_TYPE.get(labels["kind"], labels["kind"])
+    if "le" in labels:
+        out["le"] = labels["le"]
+    return out
+
+
+class GenAINames:
+    """Re-exposes LATENCY, TTFT and TOKENS as gen_ai_server_request_duration,
+    gen_ai_server_time_to_first_token and gen_ai_client_token_usage (seconds and tokens)."""
+
+    SOURCES = ((LATENCY, "gen_ai_server_request_duration", "GenAI: time from request to the last byte (s)."),
+               (TTFT, "gen_ai_server_time_to_first_token", "GenAI: time to the first streamed chunk (s)."),
+               (TOKENS, "gen_ai_client_token_usage", "GenAI: tokens processed, by gen_ai_token_type."))
+
+    def collect(self):
+        for source, name, doc in self.SOURCES:
+            for family in source.collect():
+                out = Metric(name, doc, family.type)
+                for sample in family.samples:
+                    suffix = sample.name[len(family.name):]
+                    if suffix != "_created":
+                        out.add_sample(out.name + suffix, _genai_labels(sample.labels), sample.value)
+                yield out
+
+
+registry.register(GenAINames())
 
 
 def render() -> bytes:

@@ -170,6 +170,8 @@ CASES = {
                                  expect=HUB_USE),
     "serving_hub_search_retrieve": Case("fleet", query=lambda w: {"q": "walk"}, expect=HUB_READ),
     "serving_hub_files_retrieve": Case("fleet", query=lambda w: {"repo": "walk/repo"}, expect=HUB_READ),
+    # The fleet's figures for everyone; the models, replicas and failures in it are the caller's own.
+    "serving_status_retrieve": Case("list"),
     # --- gateway ---
     "gateway_splits_list": Case("list"),
     "gateway_splits_create": Case("change", body=lambda w: {"model_name": "walk-split", "scope": w.scope.path,

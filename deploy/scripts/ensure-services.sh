@@ -52,5 +52,8 @@ fi
 # Chromium for the browser tests (never a test tool's own browser download).
 [ -x /usr/bin/chromium ] || apt_install chromium
 
+# promtool (Debian's prometheus package) for the alert rules' fixtures (deploy/prometheus/alerts_test.yml).
+command -v promtool >/dev/null || apt_install prometheus
+
 echo "DOCKER_HOST=unix://$docker_sock"
 echo "BERTH_TEST_CHROMIUM=/usr/bin/chromium"

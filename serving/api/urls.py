@@ -1,7 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from serving.api import catalog as catalog_api, deployments as views
+from serving.api import catalog as catalog_api, deployments as views, status as status_api
 
 app_name = "serving-api"
 router = SimpleRouter()
@@ -12,4 +12,5 @@ router.register("catalog/fetches", catalog_api.FetchJobViewSet, basename="catalo
 router.register("hub", catalog_api.HubViewSet, basename="hub")
 urlpatterns = router.urls + [
     path("serve/", catalog_api.ServeViewSet.as_view({"post": "create"}), name="serve"),
+    path("status/", status_api.StatusView.as_view(), name="status"),
 ]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import time
 import uuid
 from collections import Counter
@@ -196,7 +198,7 @@ def reconcile(waiting: Mapping[str, int] | None = None, *, wait_s: float = 0) ->
     One pass at a time (the periodic one and on-demand loads both run it; two at once would both
     launch what is missing): a caller finding another pass under way waits up to ``wait_s``, then
     returns ``{"skipped": True}`` having done nothing."""
-    token = uuid.uuid4().hex
+    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"  # whose pass it is, for /readyz and doctor
     deadline = time.monotonic() + wait_s
     while not cache.add(LOCK_KEY, token, LOCK_S):
         if time.monotonic() >= deadline:

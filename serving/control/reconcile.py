@@ -5,6 +5,9 @@ The agents reconcile what runs on their own node (``serving.node.heartbeat``).""
 
 from __future__ import annotations
 
+import time
+
+from django.core.cache import cache
 from django.db import transaction
 
 from scheduler.models import Node
@@ -19,6 +22,7 @@ def run() -> int:
     """One pass; returns how many replicas of lost nodes it failed."""
     failed = fail_replicas_of_lost_nodes()
     placement.reconcile()
+    cache.set("berth:control:last-pass", time.time(), None)  # berth.health: the loop is alive
     return failed
 
 
@@ -29,6 +33,7 @@ def run_soon() -> int:
     failed = fail_replicas_of_lost_nodes()
     if placement.reconcile(wait_s=30).get("skipped"):  # a pass takes seconds; 30 s waits out a slow one
         queues.reconcile_soon()
+    cache.set("berth:control:last-pass", time.time(), None)  # berth.health: the loop is alive
     return failed
 
 
