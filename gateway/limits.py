@@ -430,10 +430,11 @@ def limiter_client(url: str, timeout: float):
     (``BERTH_GATEWAY_REDIS_TIMEOUT_MS``), so a stalled Redis costs a request that long, not a hang;
     a connection found broken (Redis restarted) is retried once at once on a new one; a timeout is
     not retried (the command may still run: ``REPAIR`` covers it). Not for pub/sub, which waits."""
-    import redis.asyncio as aioredis  # the embedded mode (LocalLimiter) runs without Redis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-    from redis.exceptions import ConnectionError as BrokenConnection
+    # The Redis client is imported only here: the embedded mode (LocalLimiter) never loads it.
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry  # (as above: Redis only)
+    from redis.backoff import NoBackoff  # (as above: Redis only)
+    from redis.exceptions import ConnectionError as BrokenConnection  # (as above: Redis only)
 
     return aioredis.Redis.from_url(url, max_connections=256, health_check_interval=30, socket_timeout=timeout,
                                    socket_connect_timeout=timeout,

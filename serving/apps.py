@@ -12,10 +12,11 @@ class ServingConfig(AppConfig):
     verbose_name = "Serving"
 
     def ready(self):
-        # Imported here, once the apps are loaded: the placement loop reads every app's models.
-        from berth import health
-        from scheduler import snapshot
-        from serving.control import placement
+        # Imported here, once the apps are loaded (apps.py is read before any model): the placement
+        # loop reads every app's models, and these registrations need it.
+        from berth import health  # (as above: after the apps load)
+        from scheduler import snapshot  # (as above: after the apps load)
+        from serving.control import placement  # (as above: after the apps load)
 
         # Explain and headroom dry runs see the running system's replicas, as the reconcile loop does.
         snapshot.register_provider(placement.snapshot)
