@@ -482,10 +482,10 @@ class Gateway:
         table = await self.routing.get()
         served = self._resolve(table, model, principal)
         route = table.route(served)
-        if route is None and time.monotonic() - table.loaded_at > 0.1:
-            # A model deployed since the last read (its change message may still be on the way):
-            # read again before saying it does not exist. At most ten reads a second per process.
-            table = await self.routing.fresh()
+        if route is None:
+            # Perhaps deployed since the table was read (its change message still on the way, or no
+            # Redis to carry one): answer from a table read after this request arrived.
+            table = await self.routing.read_since(call.started)
             served = self._resolve(table, model, principal)
             route = table.route(served)
         if route is not None and not route.admits(principal.project_path):

@@ -117,15 +117,23 @@ def load_table() -> RoutingTable:
 class RoutingCache:
     """The table as an asyncio process sees it: reloaded in a thread (``runner``) when older than
     ``ttl`` or when ``invalidate()`` was called (a published change); concurrent readers share one
-    reload, and while it runs readers keep the previous table (only the very first read waits)."""
+    reload, and while it runs readers keep the previous table (only the very first read waits).
+    A name the table lacks is looked up again in a table read after the request arrived
+    (``read_since``): without Redis nobody announces a change, and "does not exist" must not be a
+    stale answer."""
+
+    MISS_INTERVAL = 0.1  # reloads for names the table lacks: at most ten a second per process
 
     def __init__(self, ttl: float, runner, loader=None):
         self.ttl = ttl
         self._runner = runner
         self._loader = loader or load_table  # a reader may load more with the table (``loader()`` calls it)
         self._table: RoutingTable | None = None
+        self._table_read_at = float("-inf")  # time.perf_counter() when the current table's read began
         self._stale = True
         self._reload = None
+        self._reload_started = float("-inf")
+        self._missed_at = float("-inf")  # when the last reload for a missing name began
         self._changed = asyncio.Event()
 
     def invalidate(self) -> None:
@@ -145,6 +153,28 @@ class RoutingCache:
         self._stale = True
         return await self._start_reload()
 
+    async def read_since(self, moment: float) -> RoutingTable:
+        """A table whose read began at or after ``moment`` (``time.perf_counter()``), for a name the
+        current table lacks: the current one when it is that recent, else the reload in flight when it
+        began late enough, else a new reload, at most one per ``MISS_INTERVAL`` (a caller waits that
+        long rather than being told a just-deployed model does not exist). A reload that fails gives
+        back the previous table."""
+        while True:
+            if self._table is not None and self._table_read_at >= moment:
+                return self._table
+            if self._reload is not None and not self._reload.done():
+                if self._reload_started >= moment:
+                    return await asyncio.shield(self._reload)
+                await asyncio.wait([self._reload])  # began too early: wait it out, then read again
+                continue
+            pause = self._missed_at + self.MISS_INTERVAL - time.perf_counter()
+            if pause > 0:
+                await asyncio.sleep(pause)  # the rate bound on reloads for missing names
+                continue
+            self._missed_at = time.perf_counter()
+            self._stale = True
+            return await self._start_reload()
+
     async def changed(self, timeout: float) -> None:
         """Wait until the next reload finishes, or ``timeout``."""
         try:
@@ -155,10 +185,11 @@ class RoutingCache:
     def _start_reload(self):
         if self._reload is None or self._reload.done():
             self._stale = False
-            self._reload = asyncio.get_running_loop().create_task(self._do_reload())
+            self._reload_started = time.perf_counter()
+            self._reload = asyncio.get_running_loop().create_task(self._do_reload(self._reload_started))
         return asyncio.shield(self._reload)
 
-    async def _do_reload(self) -> RoutingTable:
+    async def _do_reload(self, started: float) -> RoutingTable:
         try:
             table = await self._runner(self._loader)
         except Exception:
@@ -166,7 +197,7 @@ class RoutingCache:
             if self._table is not None:
                 return self._table
             raise
-        self._table = table
+        self._table, self._table_read_at = table, started
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         return table
