@@ -5,7 +5,8 @@ answers a query, the Celery broker accepts a connection, and the control loop ha
 (its pass, run by a worker on beat's schedule, writes ``LAST_PASS_KEY``; stale after
 ``MISSED_PASSES`` missed passes). Apps add checks at start-up with ``register`` (serving adds the
 agents seen, for information). Neither view needs a login and neither reveals more than which
-dependency is down, how long ago the loop passed, and which process holds the pass lock.
+dependency is down, how long ago the loop passed, and which process holds the loop's lease
+(``berth.lease``: the one process that runs the periodic pass) and for how long.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from django.http import JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from berth import broker
+from berth import broker, lease
 
 log = logging.getLogger(__name__)
 
 # Cache keys read by name (this module imports no app): serving.control.reconcile writes the first
-# after each pass, serving.control.placement holds the second while a pass runs.
+# after each pass, serving.control.placement holds the second while a pass (of anyone's) runs.
 LAST_PASS_KEY = "berth:control:last-pass"
 PASS_LOCK_KEY = "berth:placement:pass"
 CONTROL_TASK = "serving.reconcile"
@@ -57,28 +58,25 @@ def pass_interval() -> float | None:
 def control_loop(now: float | None = None, started_at: float | None = None) -> tuple[str, dict]:
     """The control loop's state: ``ok``, ``starting`` (never ran, and ``started_at`` — this process's
     start by default — is under three intervals ago), ``stale``, ``never_ran``, ``not_scheduled``; with
-    the last pass's age and the pass lock's holder."""
+    the last pass's age, whether a pass runs now, and the lease: its holder (host:pid), how long that
+    holder has held it, when it last renewed it, and whether it has expired (None until first taken)."""
     now = time.time() if now is None else now
     started_at = STARTED_AT if started_at is None else started_at
     interval = pass_interval()
     if interval is None:
         return "not_scheduled", {"task": CONTROL_TASK}
     stale_after = MISSED_PASSES * interval
-    last, holder = cache.get(LAST_PASS_KEY), cache.get(PASS_LOCK_KEY)
+    last, running = cache.get(LAST_PASS_KEY), cache.get(PASS_LOCK_KEY)
+    held = lease.read(lease.CONTROL_LOOP)
     detail = {"pass_interval_s": interval, "stale_after_s": stale_after,
               "last_pass_age_s": None if last is None else round(now - float(last), 1),
-              "pass_running": holder is not None, "holder": _holder(holder)}
+              "pass_running": running is not None, "holder": held.holder if held else None,
+              "lease_age_s": round(held.age_s, 1) if held else None,
+              "lease_renewed_age_s": round(held.renewed_age_s, 1) if held else None,
+              "lease_expired": held.expired if held else None}
     if last is None:
         return ("starting" if now - started_at < stale_after else "never_ran"), detail
     return ("ok" if now - float(last) <= stale_after else "stale"), detail
-
-
-def _holder(token) -> str | None:
-    """The process holding the pass lock, when its token names one (``host:pid:…``); a bare token says nothing."""
-    if isinstance(token, str) and token.count(":") >= 2:
-        host, pid = token.split(":")[:2]
-        return f"{host} pid {pid}"
-    return None
 
 
 PASSING = {"ok", "starting"}  # a loop that has not had time to pass yet does not fail readiness

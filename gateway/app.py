@@ -8,9 +8,17 @@ table from another (``serving.control.routing.RoutingCache``), limits cost one R
 
 Order on every request: request id (set on every response, refusals included) → route → key
 (before the body is read) → body (its shape and token counts, ``gateway.bodies``) → model allowed
-and known → the output it asks for within the model's cap or context → limits → a ready replica (or
-admission while the model loads) → the engine, retried once on another replica when the connection
-fails → the answer, streamed as it comes → usage, log line and metrics.
+and known → the output it asks for within the model's cap or context → a model whose engine serves
+the route (``gateway.routes``) → limits → a ready replica (or admission while the model loads) → the
+engine, retried once on another replica when the connection fails → the answer, streamed as it comes
+→ usage, log line and metrics.
+
+Every inference route takes that one path: OpenAI's chat completions, completions, embeddings and
+rerank, its Responses API (``/v1/responses``, ``/v1/responses/input_tokens``) and Anthropic's Messages
+API (``/v1/messages``, ``/v1/messages/count_tokens``), so each is charged to the same limits and
+budgets. What differs per API is data: the field a model's output cap is sent in, where a stream tells
+its usage and its end, and the shape of an error (Anthropic's on the Messages routes). A key is read
+from ``Authorization: Bearer`` or, as Anthropic's clients send it, ``x-api-key``.
 """
 
 from __future__ import annotations
@@ -30,9 +38,10 @@ import orjson
 from django.conf import settings
 
 from berth.errors import BerthError
-from gateway import bodies, fleet_metrics, metrics, splits
+from gateway import bodies, fleet_metrics, metrics, routes, splits
 from gateway.auth import AuthCache, Principal
 from gateway.errors import (
+    ANTHROPIC_ERROR_TYPES,
     ERROR_TYPES,
     BadRequest,
     EndpointNotFound,
@@ -47,6 +56,7 @@ from gateway.errors import (
     ModelNotFound,
     NoReplica,
     QueueFull,
+    RouteNotServed,
     TooLarge,
     UpstreamError,
     UpstreamTimeout,
@@ -67,18 +77,34 @@ log = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# OpenAI's chat and completions name them prompt/completion tokens; Responses and Anthropic's Messages
+# input/output tokens (``input_tokens_details`` and ``cache_read_input_tokens`` do not match).
+_PROMPT = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
 _TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+# Anthropic's input_tokens leave out the prompt tokens read from (or written to) its cache: added back,
+# so a prompt counts the same through every API.
+_CACHED_INPUT = re.compile(rb'"cache_(?:read|creation)_input_tokens"\s*:\s*(\d+)')
 
-# path -> (endpoint name, upstream path, required fields)
+# path -> (endpoint name, upstream path, required fields). One pipeline (``infer``) serves them all.
 INFERENCE = {
     "/v1/chat/completions": ("chat/completions", "/v1/chat/completions", ("messages",)),
     "/v1/completions": ("completions", "/v1/completions", ("prompt",)),
     "/v1/embeddings": ("embeddings", "/v1/embeddings", ("input",)),
     "/v1/rerank": ("rerank", "/v1/rerank", ("query", "documents")),
+    "/v1/responses": ("responses", "/v1/responses", ("input",)),
+    "/v1/responses/input_tokens": ("responses/input_tokens", "/v1/responses/input_tokens", ("input",)),
+    # Anthropic's API requires max_tokens (its clients always send it); so does Berth's gateway.
+    "/v1/messages": ("messages", "/v1/messages", ("messages", "max_tokens")),
+    "/v1/messages/count_tokens": ("messages/count_tokens", "/v1/messages/count_tokens", ("messages",)),
 }
-STREAMING = {"chat/completions", "completions"}
+STREAMING = {"chat/completions", "completions", "responses", "messages"}
+ASKS_USAGE = {"chat/completions", "completions"}  # a stream tells its usage only when asked to
+COUNTING = {"responses/input_tokens", "messages/count_tokens"}  # count a prompt's tokens; run no model
+ANTHROPIC = {"messages", "messages/count_tokens"}  # answered in Anthropic's shapes, errors included
+ANTHROPIC_PATHS = {"/v1/messages", "/v1/messages/count_tokens"}
+# What marks a stream's last event: a client that leaves after it left satisfied.
+STREAM_END = {"responses": b"event: response.completed", "messages": b"event: message_stop"}
 
 
 class ClientGone(Exception):
@@ -89,7 +115,7 @@ class Call:
     """One request's facts as it goes (no content: bodies are never kept here)."""
 
     __slots__ = ("receive", "send", "method", "path", "request_id", "rid_bytes", "started", "started_wall",
-                 "authorization", "content_length", "principal", "endpoint", "model_asked", "model_label",
+                 "authorization", "api_key", "content_length", "principal", "endpoint", "model_asked", "model_label",
                  "replica_id", "status", "error_code", "queue_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
                  "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done")
 
@@ -101,11 +127,14 @@ class Call:
         self.started = time.perf_counter()
         self.started_wall = time.time()
         self.authorization = None
+        self.api_key = None  # ``x-api-key``, as Anthropic's clients send the key
         self.content_length = None
         request_id = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 self.authorization = value
+            elif name == b"x-api-key":
+                self.api_key = value
             elif name == b"x-request-id":
                 request_id = value
             elif name == b"content-length":
@@ -152,17 +181,33 @@ class Call:
         await self.send({"type": "http.response.body", "body": body})
 
 
-def error_body(error: BerthError) -> bytes:
-    inner = {"message": error.message, "type": ERROR_TYPES.get(error.status, "api_error"), "code": error.code}
+def error_body(error: BerthError, anthropic: bool = False) -> bytes:
+    """OpenAI's error shape, or with ``anthropic`` Anthropic's (``{"type": "error", "error": {"type",
+    "message"}}``); Berth's stable ``code`` (and ``param``, ``details``) in both."""
+    types = ANTHROPIC_ERROR_TYPES if anthropic else ERROR_TYPES
+    inner = {"message": error.message, "type": types.get(error.status, "api_error"), "code": error.code}
     param = getattr(error, "param", None)
     if param:
         inner["param"] = param
     if error.details:
         inner["details"] = error.details
-    return orjson.dumps({"error": inner})
+    return orjson.dumps({"type": "error", "error": inner} if anthropic else {"error": inner})
+
+
+def stream_error(endpoint: str, error: BerthError) -> bytes:
+    """The event that ends a stream broken midway, in the stream's own API: Anthropic's ``error``
+    event, the Responses API's ``error`` event, else an OpenAI error chunk."""
+    if endpoint in ANTHROPIC:
+        return b"event: error\ndata: " + error_body(error, anthropic=True) + b"\n\n"
+    if endpoint == "responses":
+        event = {"type": "error", "code": error.code, "message": error.message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"data: " + error_body(error) + b"\n\n"
 
 
 def _usage_from(data: bytes, call: Call) -> None:
+    """The tokens of the last ``usage`` object in ``data``, in any API's shape. Only what it holds is
+    set: Anthropic's stream tells the input in ``message_start`` and the output in ``message_delta``."""
     match = None
     for match in _USAGE.finditer(data):
         pass
@@ -173,6 +218,8 @@ def _usage_from(data: bytes, call: Call) -> None:
     completion = _COMPLETION.search(tail)
     if prompt:
         call.prompt_tokens = int(prompt.group(1))
+        if call.endpoint in ANTHROPIC:
+            call.prompt_tokens += sum(int(n) for n in _CACHED_INPUT.findall(tail))
     if completion:
         call.completion_tokens = int(completion.group(1))
     elif prompt:  # embeddings and rerank: prompt (and total) tokens only
@@ -215,7 +262,7 @@ class Gateway:
             self.timeout = aiohttp.ClientTimeout(total=settings.GATEWAY_TOTAL_TIMEOUT, sock_connect=10,
                                                  sock_read=settings.GATEWAY_FIRST_BYTE_TIMEOUT)
             self.auth = AuthCache(settings.GATEWAY_AUTH_CACHE_SECONDS)
-            self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db, loader=splits.load_table)
+            self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db, loader=routes.load_table)
             lease = settings.GATEWAY_TOTAL_TIMEOUT + 60
             # Without Redis (the embedded mode, one process) the limits are kept in this process.
             self.limiter = (Limiter(limiter_redis, lease_seconds=lease) if self.redis is not None
@@ -376,7 +423,8 @@ class Gateway:
             if call.response_started:
                 call.status = error.status
             else:
-                await call.respond(error.status, error_body(error), headers=getattr(error, "headers", None))
+                await call.respond(error.status, error_body(error, call.path in ANTHROPIC_PATHS),
+                                   headers=getattr(error, "headers", None))
         except ClientGone:
             call.status, call.error_code = 499, "client_closed_request"
         except asyncio.CancelledError:
@@ -389,7 +437,8 @@ class Gateway:
             call.error_code = "internal_error"
             if not call.response_started:
                 await call.respond(500, error_body(BerthError("Something went wrong in the gateway; it is logged.",
-                                                              code="internal_error", status=500)))
+                                                              code="internal_error", status=500),
+                                                   call.path in ANTHROPIC_PATHS))
             call.status = 500
         finally:
             self._record(call)
@@ -415,10 +464,14 @@ class Gateway:
                                 "send it as a bearer token.")
 
     async def _principal(self, call: Call) -> Principal:
-        if call.authorization is None:
-            raise MissingKey("No API key: send it as `Authorization: Bearer brk_…`.")
-        header = call.authorization.decode("latin-1")
-        principal = await self.auth.principal(credential_from_header(header))
+        """The key's principal, from ``Authorization: Bearer`` or else ``x-api-key`` (any route)."""
+        if call.authorization is not None:
+            plaintext = credential_from_header(call.authorization.decode("latin-1"))
+        elif call.api_key is not None and call.api_key.strip():
+            plaintext = call.api_key.decode("latin-1").strip()
+        else:
+            raise MissingKey("No API key: send it as `Authorization: Bearer brk_…` or `x-api-key: brk_…`.")
+        principal = await self.auth.principal(plaintext)
         call.principal = principal
         return principal
 
@@ -496,6 +549,7 @@ class Gateway:
                                     details={"model": shown(model), "variant": shown(served)})
             raise ModelNotFound(f"The model {shown(model)!r} does not exist.", details={"model": shown(model)})
         output_cap = bodies.output_default(endpoint, payload, route)  # refused here, before any limit is spent
+        route = routes.narrowed(table, route, endpoint)  # so is a route the model's engine does not serve
         call.model_label = route.name
         try:
             admission = await self.limiter.admit(principal.plan, call.request_id)
@@ -513,11 +567,13 @@ class Gateway:
                 route = self._fallback(principal, table, route) or await self._admit_while_loading(call, route)
                 call.model_label = route.name  # a fallback serves under its own name
                 output_cap = bodies.output_default(endpoint, payload, route)  # and within its own cap
+                if endpoint in routes.NEWER:  # and on the replicas (now ready) whose engine serves the route
+                    route = routes.narrowed(await self.routing.get(), route, endpoint)
             changed = False
             if output_cap is not None:  # the request named no limit: the model's cap is its limit
-                payload["max_tokens"] = output_cap
+                payload[bodies.cap_field(endpoint)] = output_cap
                 changed = True
-            if stream:
+            if stream and endpoint in ASKS_USAGE:
                 options = payload.get("stream_options")
                 if not isinstance(options, dict) or options.get("include_usage") is not True:
                     payload["stream_options"] = {**(options if isinstance(options, dict) else {}),
@@ -664,7 +720,10 @@ class Gateway:
             raise UpstreamError("The engine's connection broke before it answered.") from None
         status = response.status
         if status < 300:
-            _usage_from(data, call)
+            if call.endpoint in COUNTING:  # no model ran: a request for the rate limits, no tokens for budgets
+                call.prompt_tokens = call.completion_tokens = 0
+            else:
+                _usage_from(data, call)
             await call.respond(status, data)
             return
         if status in (400, 413, 422):
@@ -673,10 +732,19 @@ class Gateway:
             except orjson.JSONDecodeError:
                 parsed = None
             if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-                call.error_code = str(parsed["error"].get("code") or parsed["error"].get("type") or "")[:64]
+                error = parsed["error"]
+                call.error_code = str(error.get("code") or error.get("type") or "")[:64]
+                if call.endpoint in ANTHROPIC and parsed.get("type") != "error":  # llama.cpp answers in OpenAI's
+                    data = orjson.dumps({"type": "error", "error": {
+                        "type": ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error"),
+                        "message": str(error.get("message") or "The engine refused the request.")}})
                 await call.respond(status, data)
                 return
             raise BerthError("The engine refused the request.", code="invalid_request", status=status)
+        if status == 404:  # an engine (of a version not known to ``gateway.routes``) without this route
+            name = routes.engine_name(await self.routing.get(), call.replica_id) or "its engine"
+            raise RouteNotServed(f"{call.model_label} runs on {name}, which does not serve {call.path}.",
+                                 details={"model": call.model_label, "engine": [name], "endpoint": call.path})
         if status == 503:
             error = ModelLoading("The engine is busy or still loading; retry shortly.")
             error.headers = [(b"retry-after", b"1")]
@@ -693,6 +761,7 @@ class Gateway:
         send = call.send
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         tail = b""
+        end = STREAM_END.get(call.endpoint, b"data: [DONE]")
         try:
             async for chunk in response.content.iter_any():
                 if call.ttft_ms is None:
@@ -700,7 +769,7 @@ class Gateway:
                 window = tail + chunk if tail else chunk
                 if b'"usage"' in window or b"_tokens" in window:
                     _usage_from(window, call)
-                if b"data: [DONE]" in window:
+                if end in window:
                     call.saw_done = True
                 tail = window[-600:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -711,8 +780,7 @@ class Gateway:
                      else UpstreamError("The engine's connection broke mid-stream; the answer is incomplete."))
             call.status, call.error_code = error.status, error.code
             call.finished = True
-            await send({"type": "http.response.body", "body": b"data: " + error_body(error) + b"\n\n",
-                        "more_body": False})
+            await send({"type": "http.response.body", "body": stream_error(call.endpoint, error), "more_body": False})
             return
         call.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})

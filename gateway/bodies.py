@@ -14,10 +14,16 @@ from typing import Any
 
 from gateway.errors import AboveCap, AboveContext, BadRequest, shown
 
-GENERATING = frozenset({"chat/completions", "completions"})
+GENERATING = frozenset({"chat/completions", "completions", "responses", "messages"})
 # The fields an engine reads as the most tokens to generate: OpenAI's two and llama.cpp's own
 # (``n_predict`` wins over the others there, so it is bounded alike).
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+# Per API. llama.cpp turns a Responses body into a chat one that keeps its other fields, so those
+# reach it too; a Messages body is rebuilt from the fields Anthropic defines (only ``max_tokens``).
+OUTPUT_FIELDS_OF = {"chat/completions": OUTPUT_FIELDS, "completions": OUTPUT_FIELDS,
+                    "responses": ("max_output_tokens", *OUTPUT_FIELDS), "messages": ("max_tokens",)}
+# The field a model's cap is sent in when a request names no limit (Messages requires ``max_tokens``).
+CAP_FIELD = {"responses": "max_output_tokens"}
 CHOICE_FIELDS = ("n", "n_cmpl")  # completions per request (llama.cpp caps them at its slots)
 MAX_CHOICES = 128  # OpenAI's own bound on ``n``
 
@@ -56,6 +62,22 @@ def _messages(messages: Any) -> None:
                              param=f"{where}.content")
 
 
+def _input_items(value: Any) -> bool:
+    """A Responses ``input``: text, or a non-empty list of items (objects: messages, tool outputs…)."""
+    return isinstance(value, str) or (isinstance(value, list) and bool(value)
+                                      and all(isinstance(item, dict) for item in value))
+
+
+def _system(value: Any) -> bool:
+    """A Messages ``system``: text, or a list of blocks (objects with a ``type``)."""
+    return isinstance(value, str) or (isinstance(value, list) and all(
+        isinstance(block, dict) and isinstance(block.get("type"), str) for block in value))
+
+
+def cap_field(endpoint: str) -> str:
+    return CAP_FIELD.get(endpoint, "max_tokens")
+
+
 def check(endpoint: str, payload: dict) -> None:
     """Refuse (400 ``invalid_request``, naming the field in ``param``) a body the gateway or the
     engine cannot take. ``payload`` is a JSON object holding a string ``model``."""
@@ -63,8 +85,15 @@ def check(endpoint: str, payload: dict) -> None:
         raise BadRequest("`stream` must be true or false.", param="stream")
     if payload.get("stream_options") is not None and not isinstance(payload["stream_options"], dict):
         raise BadRequest("`stream_options` must be an object.", param="stream_options")
-    if endpoint == "chat/completions":
+    if endpoint in ("chat/completions", "messages", "messages/count_tokens"):
         _messages(payload.get("messages"))
+        if endpoint != "chat/completions" and payload.get("system") is not None and not _system(payload["system"]):
+            raise BadRequest("`system` must be a string or a list of blocks (objects with a `type`).", param="system")
+    elif endpoint in ("responses", "responses/input_tokens"):
+        if not _input_items(payload.get("input")):
+            raise BadRequest("`input` must be a string or a non-empty list of items (objects).", param="input")
+        if payload.get("instructions") is not None and not isinstance(payload["instructions"], str):
+            raise BadRequest("`instructions` must be a string.", param="instructions")
     elif endpoint == "completions":
         if not _text_or_tokens(payload.get("prompt")):
             raise BadRequest("`prompt` must be a string, a list of strings or token ids.", param="prompt")
@@ -78,7 +107,7 @@ def check(endpoint: str, payload: dict) -> None:
         if not isinstance(documents, list) or not documents or not all(isinstance(d, (str, dict)) for d in documents):
             raise BadRequest("`documents` must be a non-empty list of strings (or objects).", param="documents")
     if endpoint in GENERATING:
-        for field in OUTPUT_FIELDS:
+        for field in OUTPUT_FIELDS_OF[endpoint]:
             value = payload.get(field)
             if value is not None and (not _whole(value) or value < 1):
                 raise BadRequest(f"`{field}` must be a whole number of tokens, at least 1 (not {shown(repr(value))}).",
@@ -93,11 +122,12 @@ def check(endpoint: str, payload: dict) -> None:
 def output_default(endpoint: str, payload: dict, route) -> int | None:
     """Check the output the request asks for against ``route`` (a ``serving.control.routing.ModelRoute``):
     above the model's cap, or with no cap above its context, is refused (400, naming the bound).
-    Returns the cap to send when the request names no limit (None: send the body as it is)."""
+    Returns the cap to send (in ``cap_field(endpoint)``) when the request names no limit (None: send
+    the body as it is)."""
     if endpoint not in GENERATING:
         return None
     cap, context = route.max_output_tokens, route.context
-    asked = [(field, payload[field]) for field in OUTPUT_FIELDS if payload.get(field) is not None]
+    asked = [(field, payload[field]) for field in OUTPUT_FIELDS_OF[endpoint] if payload.get(field) is not None]
     for field, value in asked:  # whole numbers ≥ 1: ``check`` ran first
         if cap is not None and value > cap:
             raise AboveCap(f"`{field}` is {value}, above {route.name}'s cap of {cap} output tokens a request "

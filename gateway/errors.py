@@ -33,6 +33,13 @@ class AboveContext(BadRequest):
     code = "max_tokens_above_context"
 
 
+class RouteNotServed(BadRequest):
+    """The API route asked for (``/v1/messages``, ``/v1/responses``…) is not served by the engine the
+    model runs on (``gateway.routes``): the engine is named in the message and ``details``."""
+
+    code = "route_not_served"
+
+
 class MissingKey(NotAuthenticated):
     code = "missing_api_key"
 
@@ -140,3 +147,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
                502: "api_error", 503: "service_unavailable", 504: "timeout"}
+
+# Anthropic's ``error.type`` for each status, for the Messages routes (``{"type": "error", "error":
+# {"type", "message"}}``), so Anthropic's clients raise the error class they would against Anthropic.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                         422: "invalid_request_error", 429: "rate_limit_error", 499: "api_error",
+                         502: "api_error", 503: "overloaded_error", 504: "timeout_error"}

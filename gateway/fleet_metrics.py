@@ -17,17 +17,19 @@ from django.core.cache import cache
 from django.db.models import Count, Exists, F, OuterRef, Sum, Window
 from django.db.models.functions import RowNumber
 
-from berth import backup, health
+from berth import backup, health, lease
 from scheduler.models import Accelerator, MemoryReservation, Node, PlacementDecision, RecoveryState
 from scheduler.snapshot import contracts_from_tenancy
 from serving import load
 from serving.models import DeploymentState as S, ModelEntry, Replica
+from serving.node import watchdog
 from tenancy.models import Reservation
 from tenancy.services.contracts import CAPACITY
 
 log = logging.getLogger(__name__)
 
 Verdict = PlacementDecision.Verdict
+WATCHDOG_LEVELS = {watchdog.OK: 0, watchdog.WARNING: 1, watchdog.CRITICAL: 2}
 
 
 class Family:
@@ -118,9 +120,15 @@ SENSORS = (("temperature_c", "berth_accelerator_temperature_celsius", "Temperatu
 
 def node_families() -> list:
     state_f = _gauge("berth_node_state", "1 for the node's state, 0 for the others.", ["node", "state"])
-    for name, state in Node.objects.order_by("name").values_list("name", "state"):
+    nodes = list(Node.objects.order_by("name").only("pk", "name", "state"))
+    for node in nodes:
         for choice in Node.State.values:
-            state_f.add_metric([name, choice], int(state == choice))
+            state_f.add_metric([node.name, choice], int(node.state == choice))
+    watchdog_f = _gauge("berth_watchdog_level", "The node's memory watchdog: 0 ok, 1 warning, 2 critical (absent "
+                        "when not measured).", ["node"])
+    for name, level in sorted((watchdog.levels(nodes) or {}).items()):  # None: the cache cannot say, so absent
+        if level in WATCHDOG_LEVELS:
+            watchdog_f.add_metric([name], WATCHDOG_LEVELS[level])
     total_f = _gauge("berth_node_accelerators", "Accelerators on the node, by class.", ["node", "accelerator_class"])
     free_f = _gauge("berth_node_accelerators_free", "Accelerators that hold no reservation and may be placed "
                     "on (placeable, not known unhealthy), by class.", ["node", "accelerator_class"])
@@ -152,7 +160,7 @@ def node_families() -> list:
                         "measured (absent when none was read).", ["node"])
     for node, used in sorted(measured.items()):
         measured_f.add_metric([node], used)
-    return [state_f, total_f, free_f, reserved_f, measured_f, *sensor_f.values()]
+    return [state_f, watchdog_f, total_f, free_f, reserved_f, measured_f, *sensor_f.values()]
 
 
 def scope_families() -> list:
@@ -181,7 +189,16 @@ def control_families(now: float) -> list:
         last_f.add_metric([], float(last))
     running_f = _gauge("berth_control_pass_running", "1 while a process holds the control loop's pass lock.", [])
     running_f.add_metric([], int(holder is not None))
-    return [last_f, running_f]
+    # The lease's holder as a label: one series per holder process (host:pid, a process of Berth's own),
+    # so a handover shows as the old holder's series going 0 and a new one appearing.
+    held = lease.read(lease.CONTROL_LOOP)
+    leader_f = _gauge("berth_control_lease_held", "1 while the named process holds the control loop's lease, "
+                      "0 once it expired (absent until first taken).", ["holder"])
+    age_f = _gauge("berth_control_lease_age_seconds", "How long the lease's holder has held it.", ["holder"])
+    if held is not None:
+        leader_f.add_metric([held.holder], int(not held.expired))
+        age_f.add_metric([held.holder], held.age_s)
+    return [last_f, running_f, leader_f, age_f]
 
 
 def backup_families(now: float) -> list:
@@ -189,10 +206,14 @@ def backup_families(now: float) -> list:
     this machine sees them); absent until one exists."""
     age_f = _gauge("berth_backup_age_seconds", "Seconds since the newest backup archive was made (absent "
                    "until one exists).", [])
+    # The same moment as a timestamp, which alerts compare with time() (BerthBackupTooOld).
+    made_f = _gauge("berth_backup_last_success_timestamp_seconds", "When the newest backup archive was made "
+                    "(absent until one exists).", [])
     found = backup.newest()
     if found is not None:
         age_f.add_metric([], max(0.0, now - found[1].timestamp()))
-    return [age_f]
+        made_f.add_metric([], found[1].timestamp())
+    return [age_f, made_f]
 
 
 def collect(now: float | None = None) -> list:

@@ -11,6 +11,12 @@ class InvalidNodeState(Conflict):
     code = "invalid_node_state"
 
 
+class InvalidNodeLabels(InvalidInput):
+    """Node labels that are not Kubernetes-style labels (``details["problems"]`` says which)."""
+
+    code = "invalid_node_labels"
+
+
 class FleetFilesForStaff(PermissionDenied):
     """Reading a model directory's files by path (the estimate of a path) is staff's: a file there
     may be behind another tenant's catalog entry."""

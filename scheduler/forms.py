@@ -10,6 +10,28 @@ class NodeActionForm(forms.Form):
     reason = forms.CharField(required=False, max_length=500)
 
 
+class NodeLabelsForm(forms.Form):
+    """The node's labels as a person writes them: ``key=value``, one a line or separated by commas."""
+
+    labels = forms.CharField(required=False, max_length=20_000, widget=forms.Textarea(attrs={"rows": 3}),
+                             help_text="key=value, one a line (e.g. zone=a). What is not listed is removed.")
+
+    def clean_labels(self) -> dict:
+        found = {}
+        for item in self.cleaned_data["labels"].replace(",", "\n").splitlines():
+            item = item.strip()
+            if not item:
+                continue
+            key, equals, value = item.partition("=")
+            if not equals:
+                raise forms.ValidationError(f"{item!r}: write a label as key=value.", code="invalid_node_labels")
+            key, value = key.strip(), value.strip()
+            if key in found:
+                raise forms.ValidationError(f"{key}: given twice.", code="invalid_node_labels")
+            found[key] = value
+        return found
+
+
 class EstimateForm(forms.Form):
     model_path = forms.CharField(label="Model", max_length=4096,
                                  help_text="A .gguf file or a Hugging Face folder under the model directories.")

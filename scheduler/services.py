@@ -9,7 +9,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from scheduler.errors import InvalidNodeReport, InvalidNodeState
+from scheduler import labels as node_labels
+from scheduler.errors import InvalidNodeLabels, InvalidNodeReport, InvalidNodeState
 from scheduler.models import (
     Accelerator, AcceleratorSample, HeldWeight, ModelDirectory, Node, NodeEngine, NodeSample,
 )
@@ -262,6 +263,24 @@ def uncordon(node: Node, actor: audit.Actor, reason: str = "") -> Node:
 def drain(node: Node, actor: audit.Actor, reason: str = "") -> Node:
     """No new work, and Serving moves what runs there elsewhere (its reconcile loop reads the state)."""
     return _transition(node, "drain", actor, reason)
+
+
+def set_labels(node: Node, actor: audit.Actor, labels: dict) -> Node:
+    """Replace the node's labels (an admin's: what catalog profiles' node selectors match). Nodes
+    never set them in their reports, so a heartbeat cannot undo them."""
+    problems = node_labels.problems(labels)
+    if problems:
+        raise InvalidNodeLabels(f"Those are not node labels: {' '.join(problems)}",
+                                details={"problems": [{"field": "labels", "message": p} for p in problems]})
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        previous = dict(node.labels or {})
+        if previous == labels:
+            return node
+        node.labels = dict(labels)
+        node.save(update_fields=["labels", "updated_at"])
+        audit.record(actor, "node.labels", node, details={"from": previous, "to": node.labels})
+    return node
 
 
 def record_engine(node: Node, engine: EngineReport) -> NodeEngine:

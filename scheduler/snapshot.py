@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import PurePosixPath
 from typing import Callable
 
 from django.db.models import Prefetch
@@ -40,7 +41,7 @@ __all__ = ["contracts_from_tenancy", "current_snapshot", "inventory", "policy_se
            "reservations_as_replicas"]
 
 
-def _accelerator(node: Node, acc: Accelerator) -> AcceleratorInfo | None:
+def _accelerator(node: Node, acc: Accelerator, cards: dict[int, str]) -> AcceleratorInfo | None:
     if acc.kind == Accelerator.Kind.GPU and acc.mig_enabled:
         return None  # a card in MIG mode: its instances are the units
     budget = memory.budget_for(node, acc)
@@ -51,19 +52,26 @@ def _accelerator(node: Node, acc: Accelerator) -> AcceleratorInfo | None:
     return AcceleratorInfo(id=str(acc.public_id), index=acc.index, accelerator_class=acc.accelerator_class,
                            memory_bytes=usable, placeable=acc.placeable and acc.healthy is not False,
                            unplaceable_reason=acc.unplaceable_reason or acc.health_reason,
-                           mig=acc.kind == Accelerator.Kind.MIG)
+                           mig=acc.kind == Accelerator.Kind.MIG,
+                           # Spread counts physical GPUs: a MIG instance is on its parent card.
+                           card=cards.get(acc.parent_id, "") if acc.parent_id else "")
 
 
 def node_info(node: Node) -> NodeInfo:
     engines = frozenset(e.kind for e in node.engines.all() if e.state == NodeEngine.State.READY)
     ram = memory.budget_for(node, None)
-    weights = frozenset(w.path for d in node.model_directories.all() for w in d.weights.all())
+    held = [w.path for d in node.model_directories.all() for w in d.weights.all()]
+    # A model in a folder (safetensors) is keyed by its folder: a folder counts as held where the
+    # node holds files in it.
+    weights = frozenset(held) | frozenset(str(PurePosixPath(p).parent) for p in held if "/" in p)
+    units = list(node.accelerators.all())
+    cards = {acc.pk: str(acc.public_id) for acc in units}
     return NodeInfo(
         name=node.name, state=node.state, labels=dict(node.labels or {}), engines=engines,
         cpu_count=node.cpu_count,
         memory_bytes=None if ram is None else ram.free_for_new + ram.reserved_bytes,
         weights=weights,
-        accelerators=tuple(a for a in (_accelerator(node, acc) for acc in node.accelerators.all()) if a is not None))
+        accelerators=tuple(a for a in (_accelerator(node, acc, cards) for acc in units) if a is not None))
 
 
 def inventory(nodes=None) -> tuple[NodeInfo, ...]:

@@ -9,5 +9,7 @@ urlpatterns = [
     path("placement/", views.PlacementView.as_view(), name="placement"),
     path("placement/parked/<path:model>/retry/", views.RetryParkedView.as_view(), name="parked-retry"),
     path("nodes/<uuid:public_id>/", views.NodeDetailView.as_view(), name="node"),
+    # Before the actions' pattern, which would take "labels" for a verb.
+    path("nodes/<uuid:public_id>/labels/", views.NodeLabelsView.as_view(), name="node-labels"),
     path("nodes/<uuid:public_id>/<slug:verb>/", views.NodeActionView.as_view(), name="node-action"),
 ]

@@ -18,7 +18,7 @@ from berth.errors import BerthError, PermissionDenied
 from berth.htmx import render_page
 from scheduler import memory, placement_service, reach, recovery_service, services
 from scheduler.filtersets import NodeFilterSet, PlacementDecisionFilterSet
-from scheduler.forms import EstimateForm, NodeActionForm
+from scheduler.forms import EstimateForm, NodeActionForm, NodeLabelsForm
 from scheduler.models import Accelerator, AcceleratorSample, ModelDirectory, Node, NodeSample, PlacementDecision
 from scheduler.presenting import estimate_payload
 from scheduler.tables import AcceleratorTable, NodeTable, ParkedModelTable, UnplaceableModelTable
@@ -90,6 +90,7 @@ class NodeDetailView(FleetMixin, ConsolePage):
         context["gpu_samples"] = (AcceleratorSample.objects.filter(accelerator__node=node)
                                   .select_related("accelerator")[:40])
         context["can_act"] = reach.sees_everything(self.request.user)
+        context["labels_text"] = "\n".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items()))
         context["actions"] = [verb for verb, (allowed, _) in services._TRANSITIONS.items() if node.state in allowed]
         return context
 
@@ -107,6 +108,20 @@ class NodeActionView(StaffOnly, FleetMixin, ObjectAction):
             return node
         node = verb(node, self.actor, reason=data["reason"])
         messages.success(self.request, f"{node.name} is {node.get_state_display().lower()}.")
+        return node
+
+    def success_url(self, node, result):
+        return reverse("scheduler:node", kwargs={"public_id": node.public_id})
+
+
+class NodeLabelsView(StaffOnly, FleetMixin, ObjectAction):
+    """POST the node's labels (staff only): what catalog profiles' node selectors match."""
+
+    form_class = NodeLabelsForm
+
+    def perform(self, node, data):
+        node = services.set_labels(node, self.actor, data["labels"])
+        messages.success(self.request, f"{node.name}'s labels are saved.")
         return node
 
     def success_url(self, node, result):

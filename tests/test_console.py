@@ -21,7 +21,7 @@ def test_login_with_the_right_password_opens_the_dashboard(client, admin_user, a
     page = response.content.decode()
     for label in ("Gateway", "Models", "Fleet", "Organisations"):
         assert f">{label}</a>" in page
-    assert "Not built yet" in page  # the dashboard says what is missing instead of inventing figures
+    assert "Models satisfied" in page and "No model yet" in page  # an empty dashboard says what to do next
 
 
 def test_login_with_a_wrong_password_is_refused(client, admin_user):

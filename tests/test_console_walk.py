@@ -87,6 +87,7 @@ ROUTES = {
     "fleet/placement/": Page(),
     "fleet/placement/parked/<path:model>/retry/": Form("staff", "model_name"),
     "fleet/nodes/<uuid:public_id>/": Page("node"),
+    "fleet/nodes/<uuid:public_id>/labels/": Form("staff", "node", data=lambda w: {"labels": "zone=walk"}),
     "fleet/nodes/<uuid:public_id>/<slug:verb>/": Form("staff", "node", data=lambda w: {"reason": "walk"}),
     "organisations/": Page(),
     "organisations/scopes/<uuid:public_id>/": Page("scope"),

@@ -7,7 +7,7 @@ import pytest
 from django.core.cache import cache
 from django.utils import timezone
 
-from berth import health
+from berth import health, lease
 from berth.celery import app as celery_app
 from scheduler.models import Node
 from serving.control import reconcile
@@ -70,10 +70,11 @@ def test_readyz_is_503_within_three_missed_passes_of_a_stopped_loop(client):
     body = response.json()
     assert body["checks"]["control_loop"] == "stale"
     assert body["failing"] == ["control_loop"]
-    # Nothing more sensitive than the loop's timings, the agents counted and the lock holder.
+    # Nothing more sensitive than the loop's timings, the agents counted and the lease's holder.
     assert set(body) == {"status", "checks", "details", "failing"}
     assert set(body["details"]["control_loop"]) == {"pass_interval_s", "stale_after_s", "last_pass_age_s",
-                                                    "pass_running", "holder"}
+                                                    "pass_running", "holder", "lease_age_s",
+                                                    "lease_renewed_age_s", "lease_expired"}
     assert "secret" not in response.content.decode().lower()
 
 
@@ -96,15 +97,17 @@ def test_a_real_pass_marks_the_loop_alive(client):
     assert client.get("/readyz").json()["checks"]["control_loop"] == "ok"
 
 
-def test_the_pass_lock_holder_is_shown_by_host_and_pid(client):
+def test_a_running_pass_and_the_leases_holder_are_shown(client):
     _ready_loop(1)
+    lease.claim(lease.CONTROL_LOOP, "web-1:4242", 45)  # tests/serving/test_control_lease.py: the lease itself
     cache.set(health.PASS_LOCK_KEY, "web-1:4242:0123abcd", 30)
     try:
         detail = client.get("/readyz").json()["details"]["control_loop"]
     finally:
         cache.delete(health.PASS_LOCK_KEY)
     assert detail["pass_running"] is True
-    assert detail["holder"] == "web-1 pid 4242"
+    assert detail["holder"] == "web-1:4242" and detail["lease_expired"] is False
+    assert 0 <= detail["lease_renewed_age_s"] <= detail["lease_age_s"] < 60
 
 
 def test_agents_seen_are_reported_and_do_not_fail_readiness(client):

@@ -122,6 +122,7 @@ CASES = {
     "scheduler_nodes_cordon_create": Case("staff", "node", body=lambda w: {"reason": "walk"}),
     "scheduler_nodes_uncordon_create": Case("staff", "node", body=lambda w: {"reason": "walk"}),
     "scheduler_nodes_drain_create": Case("staff", "node", body=lambda w: {"reason": "walk"}),
+    "scheduler_nodes_labels_update": Case("staff", "node", body=lambda w: {"labels": {"zone": "walk"}}),
     "scheduler_accelerators_list": Case("fleet"),
     "scheduler_accelerators_retrieve": Case("fleet", "accelerator"),
     # A calibration record names a tenant's model and file and why its load failed: staff only.

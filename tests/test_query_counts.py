@@ -184,7 +184,7 @@ class ListPage:
 # the hub's search (another system) and the operator's estimate form.
 NOT_LISTS = ("models/explore/", "fleet/estimate/")
 CONSOLE_MORE = {
-    "gateway/": more_usage, "models/": more_deployments, "models/held/": more_catalog_models, "fleet/": more_nodes,
+    "": more_catalog_models, "gateway/": more_usage, "models/": more_deployments, "models/held/": more_catalog_models, "fleet/": more_nodes,
     "fleet/placement/": more_decisions, "organisations/": more_scopes, "organisations/people/": more_members,
     "organisations/clients/": more_clients, "organisations/audit/": more_audit_events,
     "organisations/audit/export.jsonl": more_audit_events,

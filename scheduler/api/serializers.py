@@ -77,6 +77,12 @@ class NodeSerializer(serializers.ModelSerializer):
         return fields
 
 
+class NodeLabelsSerializer(serializers.Serializer):
+    """The node's labels, all of them (what is not named is removed); checked by ``scheduler.labels``."""
+
+    labels = serializers.DictField(child=serializers.JSONField(), allow_empty=True)
+
+
 class NodeActionSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, max_length=500, default="")
 
@@ -119,9 +125,18 @@ class PolicyProfileSerializer(serializers.Serializer):
     gpus = serializers.IntegerField(min_value=0, max_value=64, default=1)
     memory_gib = serializers.FloatField(min_value=0)
     cpu_cores = serializers.IntegerField(min_value=0, default=0)
-    accelerator_class = serializers.CharField(max_length=128, required=False, default="", allow_blank=True)
-    node_selector = serializers.DictField(child=serializers.CharField(), required=False, default=dict)
+    accelerator_class = serializers.ListField(child=serializers.CharField(max_length=128), required=False,
+                                              default=list, help_text="Classes any of which it may run on; "
+                                                                      "empty: any. One class may be given as a text.")
+    node_selector = serializers.DictField(child=serializers.CharField(allow_blank=True), required=False, default=dict)
+    allow_mig = serializers.BooleanField(default=True)
+    min_disk_gib = serializers.FloatField(min_value=0, default=0)
     priority = serializers.IntegerField(default=0)
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict) and isinstance(data.get("accelerator_class"), str):
+            data = {**data, "accelerator_class": [data["accelerator_class"]] if data["accelerator_class"] else []}
+        return super().to_internal_value(data)
 
 
 class PolicyModelSerializer(serializers.Serializer):
@@ -151,7 +166,8 @@ class PolicyModelSerializer(serializers.Serializer):
         data = self.validated_data
         profiles = tuple(Profile(name=p["name"], engine=p["engine"], gpus=p["gpus"],
                                  memory_bytes=int(p["memory_gib"] * GIB), cpu_cores=p["cpu_cores"],
-                                 accelerator_class=p["accelerator_class"], node_selector=p["node_selector"],
+                                 accelerator_class=tuple(p["accelerator_class"]), node_selector=p["node_selector"],
+                                 allow_mig=p["allow_mig"], min_disk_bytes=int(p["min_disk_gib"] * GIB),
                                  priority=p["priority"]) for p in data["profiles"])
         return DesiredModel(data["model"], profiles, Scaling(min=data["min"], max=data.get("max"),
                                                              idle_timeout_s=data["idle_timeout_s"]),

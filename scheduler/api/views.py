@@ -12,6 +12,7 @@ from scheduler.api.serializers import (
     CalibrationRecordSerializer,
     EstimateRequestSerializer,
     NodeActionSerializer,
+    NodeLabelsSerializer,
     NodeSerializer,
     ParkedAndUnplaceableSerializer,
     ParkedModelSerializer,
@@ -80,6 +81,15 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FleetViewSet
     @action(detail=True, methods=["post"], permission_classes=[IsStaff])
     def drain(self, request, public_id=None):
         return self._act(request, "drain")
+
+    @extend_schema(request=NodeLabelsSerializer, responses={200: NodeSerializer})
+    @action(detail=True, methods=["put"], permission_classes=[IsStaff])
+    def labels(self, request, public_id=None):
+        """PUT the node's labels ({"labels": {"zone": "a"}}, all of them): what catalog profiles'
+        node selectors match. Staff only; 400 ``invalid_node_labels`` names what is wrong."""
+        node = self.get_object()
+        node = services.set_labels(node, self.actor, self.parsed(NodeLabelsSerializer)["labels"])
+        return self.render(self.get_queryset().get(pk=node.pk))
 
 
 class AcceleratorViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FleetViewSet):

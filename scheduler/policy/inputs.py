@@ -38,6 +38,13 @@ class AcceleratorInfo:
     placeable: bool = True
     unplaceable_reason: str = ""
     mig: bool = False  # a MIG instance: takes exactly one single-accelerator replica
+    # The physical card this unit is on: a MIG instance's parent GPU ("" for a whole GPU: itself).
+    # Spread counts cards, not units: two MIG instances of one card share its failures.
+    card: str = ""
+
+    @property
+    def card_id(self) -> str:
+        return self.card or self.id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +72,9 @@ class Profile:
     gpus: int = 1
     memory_bytes: int = 0
     cpu_cores: int = 0
-    accelerator_class: str = ""  # "" accepts any class
+    # "" (or ()) accepts any class; one class or a tuple of them. A class names a family too:
+    # "h100" takes "h100-80g" and "h100-94g" (see ``placement.class_matches``).
+    accelerator_class: str | tuple[str, ...] = ""
     allow_mig: bool = True
     min_disk_bytes: int = 0
     node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -76,6 +85,16 @@ class Profile:
     @property
     def on_gpu(self) -> bool:
         return self.gpus > 0
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        wanted = self.accelerator_class
+        return (wanted,) if isinstance(wanted, str) and wanted else tuple(wanted or ())
+
+    @property
+    def class_text(self) -> str:
+        """How a refusal names the classes: "h100", "h100 or a100"; "any class" when none is asked."""
+        return " or ".join(self.classes) or "any class"
 
     def footprint(self, extra_bytes: int = 0) -> int:
         return (self.memory_bytes + extra_bytes) * max(self.gpus, 1)

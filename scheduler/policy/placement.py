@@ -2,7 +2,11 @@
 
 Filters per node (and accelerator): node state, engine installed and ready, label selectors,
 accelerator class, MIG rules, free memory / accelerators / cores (what replicas reserve, not
-guesses), disk only when the node lacks the weights. Order: spread replicas of one model across
+guesses), disk only when the node lacks the weights, and spread: never a second replica of a model
+on a physical GPU that already runs one (a MIG instance counts as its parent card — two instances of
+one card share its failures — so two replicas there add no availability; they would only share its
+compute and crowd out other models). CPU replicas have no card and only the order below spreads
+them. Order: spread replicas of one model across
 nodes (a preference, dropped only when it is the sole obstacle because it is only an order), nodes
 holding the weights first, then bin-packing for GPU profiles (least memory left over on the chosen
 accelerators — best fit — then fewest accelerators that still fit) or fewest replicas for CPU profiles, then the node's name.
@@ -55,6 +59,7 @@ class Fleet:
         self.on_node: dict[tuple[str, str], int] = {}
         self.count_on_node: dict[str, int] = {}
         self.model_nodes: dict[str, dict[str, int]] = {}  # model → node → replicas there
+        self.model_cards: dict[str, dict[str, int]] = {}  # model → physical GPU → replicas there
         # The models whose map in model_nodes a copy may change; None: all (this fleet made them).
         self._owned: set[str] | None = None
         self.replicas: dict[str, ReplicaInfo] = {}
@@ -73,6 +78,7 @@ class Fleet:
         # Copy on write: a copy shares the per-model maps until it changes one (dry runs copy often
         # and change little).
         clone.model_nodes = dict(self.model_nodes)
+        clone.model_cards = dict(self.model_cards)
         clone._owned = set()
         clone.replicas = dict(self.replicas)
         clone._shared = self._shared
@@ -123,6 +129,24 @@ class Fleet:
         frees.sort()
         return (tuple(frees), self.free_ram.get(name), self.free_cores.get(name), self.count_on_node.get(name, 0))
 
+    def card_of(self, acc_id: str) -> str:
+        """The physical GPU of an accelerator (a MIG instance's parent card; a whole GPU itself)."""
+        info = self.acc_info.get(acc_id)
+        return info.card_id if info is not None else acc_id
+
+    def cards_used(self, model_id: str) -> dict[str, int]:
+        """The physical GPUs that run a replica of the model (card → replicas), not to be changed."""
+        return self.model_cards.get(model_id, {})
+
+    def _own(self, table: dict, model_id: str) -> dict:
+        """The model's map in ``table``, copied first when a copy still shares it (copy on write)."""
+        per = table.get(model_id)
+        if per is None:
+            per = table[model_id] = {}
+        elif self._owned is not None and model_id not in self._owned:
+            per = table[model_id] = dict(per)
+        return per
+
     def _apply(self, replica: ReplicaInfo, sign: int) -> None:
         node = replica.node
         if replica.accelerators:
@@ -138,17 +162,20 @@ class Fleet:
         key = (node, replica.model)
         self.on_node[key] = self.on_node.get(key, 0) + sign
         self.count_on_node[node] = self.count_on_node.get(node, 0) + sign
-        per = self.model_nodes.get(replica.model)
-        if per is None:
-            per = self.model_nodes[replica.model] = {}
-            if self._owned is not None:
-                self._owned.add(replica.model)
-        elif self._owned is not None and replica.model not in self._owned:
-            per = self.model_nodes[replica.model] = dict(per)
-            self._owned.add(replica.model)
+        per = self._own(self.model_nodes, replica.model)
         per[node] = per.get(node, 0) + sign
         if per[node] <= 0:
             del per[node]
+        if replica.accelerators:
+            cards = self._own(self.model_cards, replica.model)
+            for card in {self.card_of(a) for a in replica.accelerators}:
+                cards[card] = cards.get(card, 0) + sign
+                if cards[card] <= 0:
+                    del cards[card]
+        elif self._owned is not None and replica.model not in self._owned:
+            self._own(self.model_cards, replica.model)  # both maps are owned together from here
+        if self._owned is not None:
+            self._owned.add(replica.model)
         if self._index is not None and node in self.nodes:
             self._index.update(node)
 
@@ -259,12 +286,26 @@ def static_reason(node: NodeInfo, profile: Profile) -> str:
             return (f"{node.name} has only MIG instances, which cannot take shards of a {profile.gpus}-way "
                     f"tensor-parallel replica (needs {profile.gpus} whole accelerators on one node)")
         if not usable:
-            wanted = profile.accelerator_class or "any class"
-            return f"{node.name} has no placeable accelerator of {wanted}"
+            return f"{node.name} has no placeable accelerator of class {profile.class_text}"
         if len(usable) < profile.gpus:
-            return (f"{node.name} has {len(usable)} placeable accelerator(s) of "
-                    f"{profile.accelerator_class or 'any class'}, needs {profile.gpus} on one node")
+            return (f"{node.name} has {len(usable)} placeable accelerator(s) of class {profile.class_text}, "
+                    f"needs {profile.gpus} on one node")
     return ""
+
+
+def class_matches(wanted: tuple[str, ...], actual: str) -> bool:
+    """Whether an accelerator of class ``actual`` is one of ``wanted`` (any when none is wanted).
+    A wanted class names a family as well as one class: discovery names cards ``h100-80g`` and
+    their MIG instances ``h100-80g-mig-3g.40gb``, so ``h100`` takes every H100 and ``h100-80g`` the
+    80 GB ones (and their instances, where the profile accepts MIG). Case does not matter."""
+    if not wanted:
+        return True
+    actual = (actual or "").lower()
+    for w in wanted:
+        w = w.lower()
+        if actual == w or actual.startswith(w + "-"):
+            return True
+    return False
 
 
 def _class_accelerators(node: NodeInfo, profile: Profile):
@@ -272,7 +313,7 @@ def _class_accelerators(node: NodeInfo, profile: Profile):
     for acc in node.accelerators:
         if not acc.placeable or acc.memory_bytes is None:
             continue
-        if profile.accelerator_class and acc.accelerator_class != profile.accelerator_class:
+        if not class_matches(profile.classes, acc.accelerator_class):
             continue
         if acc.mig and (profile.gpus != 1 or not profile.allow_mig):
             continue  # a MIG instance takes one single-accelerator replica, never a tensor-parallel shard
@@ -289,8 +330,8 @@ def accelerator_reasons(node: NodeInfo, profile: Profile) -> list[str]:
             reasons.append(f"{where}: {acc.unplaceable_reason or 'not placeable'}")
         elif acc.memory_bytes is None:
             reasons.append(f"{where}: memory total never measured")
-        elif profile.accelerator_class and acc.accelerator_class != profile.accelerator_class:
-            reasons.append(f"{where}: class {acc.accelerator_class or 'unknown'}, needs {profile.accelerator_class}")
+        elif not class_matches(profile.classes, acc.accelerator_class):
+            reasons.append(f"{where}: class {acc.accelerator_class or 'unknown'}, needs {profile.class_text}")
         elif acc.mig and profile.gpus != 1:
             reasons.append(f"{where}: a MIG instance cannot take a shard of a {profile.gpus}-way tensor-parallel replica")
         elif acc.mig and not profile.allow_mig:
@@ -300,7 +341,7 @@ def accelerator_reasons(node: NodeInfo, profile: Profile) -> list[str]:
 
 def _profile_sig(profile: Profile) -> tuple:
     """What the static filters read of a profile: profiles alike in these share cached results."""
-    return (profile.engine, tuple(sorted(profile.node_selector.items())), profile.accelerator_class, profile.gpus,
+    return (profile.engine, tuple(sorted(profile.node_selector.items())), profile.classes, profile.gpus,
             profile.allow_mig)
 
 
@@ -312,6 +353,9 @@ class Placer:
         self._static: dict[tuple, str] = {}
         self._usable_ids: dict[tuple, list] = {}
         self.detailed_checks = 0  # how many (node, profile) dynamic checks were made (for the benchmark)
+        # (model, node) pairs refused only by the spread rule (the node fits otherwise): how a
+        # model's unplaced replicas are told apart from those that fit nowhere at all.
+        self.spread_refusals: set[tuple[str, str]] = set()
 
     def static_for(self, node: NodeInfo, profile: Profile) -> str:
         key = (node.name, _profile_sig(profile))
@@ -324,6 +368,9 @@ class Placer:
         return reason
 
     _static_for = static_for
+
+    def forget_spread(self, model_id: str) -> None:
+        self.spread_refusals = {pair for pair in self.spread_refusals if pair[0] != model_id}
 
     def usable(self, node: NodeInfo, profile: Profile) -> list:
         """The accelerator ids of ``node`` this (GPU) profile may use; [] when the node is filtered out."""
@@ -353,6 +400,17 @@ class Placer:
                        if free_acc[a] >= need and a not in mig_used]
             if len(fitting) < profile.gpus:
                 return (f"{name} has {len(fitting)} accelerator(s) with {gib(need)} free, needs {profile.gpus}", None)
+            if spread:
+                # No second replica on a card that runs one (the module's docstring says why).
+                cards = fleet.cards_used(model.id)
+                apart = [f for f in fitting if info[f[2]].card_id not in cards]
+                if len(apart) < profile.gpus:
+                    self.spread_refusals.add((model.id, name))
+                    taken = sorted({info[a].index for _, _, a in fitting if info[a].card_id in cards})
+                    return (f"{name}: the accelerators that fit (#{', #'.join(map(str, taken))}) already run a "
+                            f"replica of {model.id}, and a second one on the same GPU would add no availability",
+                            None)
+                fitting = apart
             fitting.sort()
             chosen = fitting[:profile.gpus]
             left = sum(f for f, _, _ in chosen) - need * profile.gpus
@@ -438,6 +496,37 @@ class Placer:
             if best is None or spot.key < best.key:
                 best = spot
         return best
+
+
+def constraint_refusal(fleet: Fleet, profile: Profile, placer: Placer) -> tuple[str, str] | None:
+    """When a profile's own constraints (a node selector, an accelerator class) are what keeps it
+    off every node, the refusal that names them — (sentence, code) — else None. Only ready nodes
+    with the profile's engine count: a cordoned node with the label is not where it can go."""
+    able = [n for n in fleet.nodes.values() if n.state == "ready" and profile.engine in n.engines]
+    if not able:
+        return None
+    selector = dict(profile.node_selector)
+    if selector:
+        labelled = [n for n in able if all(n.labels.get(k) == v for k, v in selector.items())]
+        if not labelled:
+            missing = [f"{k}={v}" for k, v in sorted(selector.items())
+                       if not any(n.labels.get(k) == v for n in able)]
+            if missing:
+                return (f"profile {profile.name} needs label {', '.join(missing)}; no ready node with the "
+                        f"{profile.engine} engine has {'it' if len(missing) == 1 else 'them'}", "node-selector")
+            every = ", ".join(f"{k}={v}" for k, v in sorted(selector.items()))
+            return (f"profile {profile.name} needs labels {every}; no ready node with the {profile.engine} engine "
+                    f"has them all", "node-selector")
+        able = labelled
+    if profile.on_gpu and profile.classes:
+        if not any(not placer.static_for(n, profile) for n in able):
+            if not any(class_matches(profile.classes, a.accelerator_class) for n in able for a in n.accelerators):
+                return (f"profile {profile.name} needs accelerator class {profile.class_text}; no ready node"
+                        f"{' with its labels' if selector else ''} has one", "accelerator-class")
+            return None  # there are such accelerators, but not placeable or not as many: the nodes' reasons say
+        return (f"profile {profile.name} needs accelerator class {profile.class_text}; no node has one free",
+                "no-fit")
+    return None
 
 
 def ordered_profiles(model: DesiredModel) -> list[Profile]:

@@ -17,7 +17,7 @@ from scheduler.policy import preemption, recovery
 from scheduler.policy.inputs import (
     Decision, DesiredModel, Eviction, Hold, Launch, Plan, ReplicaInfo, Snapshot, Unschedulable,
 )
-from scheduler.policy.placement import Fleet, Placer, draft_bytes, ordered_profiles
+from scheduler.policy.placement import Fleet, Placer, constraint_refusal, draft_bytes, ordered_profiles
 from scheduler.policy.quotas import Quotas, need_of
 from scheduler.policy.residency import Demand, Placed, commit, desired_count, pack, surplus, try_place
 
@@ -216,7 +216,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         missing_by_model.setdefault(demand.model.id, []).append(demand)
     for model_id in sorted(missing_by_model):
         group = missing_by_model[model_id]
-        reason, code = first_reason(group[0], fleet, quotas, placer)
+        reason, code = first_reason(group[0], fleet, quotas, placer, missing=len(group))
         unschedulable.append(Unschedulable(model_id, reason, code, len(group)))
         decisions.append(Decision(model_id, "unschedulable", (code,), detail=reason))
 
@@ -227,7 +227,11 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
                 inputs_digest="")
 
 
-def first_reason(demand: Demand, fleet: Fleet, quotas: Quotas, placer: Placer) -> tuple[str, str]:
+SPREAD = "spread"  # the reason code of replicas that would fit only beside another replica of their model
+
+
+def first_reason(demand: Demand, fleet: Fleet, quotas: Quotas, placer: Placer,
+                 missing: int | None = None) -> tuple[str, str]:
     if not demand.profiles:
         return "the model has no profile", "no-profile"
     for profile in demand.profiles:
@@ -235,10 +239,23 @@ def first_reason(demand: Demand, fleet: Fleet, quotas: Quotas, placer: Placer) -
         if refusal:
             return refusal, "quota"
     reasons: list = []
+    placer.forget_spread(demand.model.id)  # what the packing saw of it is not what this scan sees
     placer.best_spot(fleet, demand.model, demand.profiles[0], demand.extra_bytes, reasons)
     if not reasons:
         return "no node in the fleet", "no-nodes"
+    spread = [(p, n, t) for p, n, t in reasons if (demand.model.id, n) in placer.spread_refusals]
+    if spread:
+        # It would fit on a GPU that already runs one of its replicas: none is placed there.
+        profile, node, text = spread[0]
+        more = "another replica" if missing is None else f"{missing} more replica(s)"
+        return (f"{more} would fit only on a GPU that already runs one of its replicas; "
+                f"two replicas on one GPU share its compute and its failures, so none is placed there "
+                f"(profile {profile}: {text})", SPREAD)
     profile, node, text = reasons[0]
+    named = constraint_refusal(fleet, demand.profiles[0], placer)
+    if named is not None:
+        sentence, code = named
+        return f"{sentence} ({len(reasons)} rejections; first: {text})", code
     return f"fits nowhere ({len(reasons)} rejections); first: profile {profile}: {text}", "no-fit"
 
 
@@ -255,6 +272,7 @@ def explain(snapshot: Snapshot, model_id: str) -> list[dict]:
     placer = Placer()
     rows = []
     for profile in ordered_profiles(model):
+        placer.forget_spread(model.id)
         refusal = quotas.refusal(model.owner, need_of(profile, draft_bytes(model))) if quotas.governed else ""
         for node in fleet.nodes.values():
             if refusal:
@@ -262,10 +280,13 @@ def explain(snapshot: Snapshot, model_id: str) -> list[dict]:
                              "code": "quota"})
                 continue
             reason = placer._static_for(node, profile)
+            code = "rejected"
             if not reason:
                 reason, _ = placer.dynamic_reason(fleet, node, model, profile, draft_bytes(model))
+                if reason and (model.id, node.name) in placer.spread_refusals:
+                    code = SPREAD
             rows.append({"profile": profile.name, "node": node.name, "fits": not reason,
-                         "reason": reason or "fits", "code": "" if not reason else "rejected"})
+                         "reason": reason or "fits", "code": "" if not reason else code})
     return rows
 
 

@@ -271,6 +271,7 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
                 continue
             need = profile.memory_bytes + demand.extra_bytes
             holds_key = demand.model.weights_key
+            cards = fleet.cards_used(demand.model.id)
             for node in fleet.nodes.values():
                 usable = placer.usable(node, profile)
                 if not usable:
@@ -284,6 +285,8 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
                         continue
                     if acc_id in fleet.mig_used or fleet.free_acc.get(acc_id, -1) < need:
                         continue
+                    if fleet.card_of(acc_id) in cards:
+                        continue  # spread: the model already runs on this GPU
                     mine.append((profile, acc_id, need, profile.cpu_cores))
                     acc_ids.add(acc_id)
                     cores_used = cores_used or bool(profile.cpu_cores)
@@ -299,6 +302,8 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
         return None
     free = {a: fleet.free_acc[a] for a in sorted(acc_ids)}
     mig = {a for a in free if fleet.acc_info[a].mig}
+    card = {a: fleet.card_of(a) for a in free}
+    busy: set[tuple[str, str]] = set()  # (model, card) taken in the branch being searched: spread
     cores = dict(fleet.free_cores)
     # Which demands may use each accelerator: two with equal free room and equal users are interchangeable.
     users: dict[str, tuple] = {a: () for a in free}
@@ -374,6 +379,7 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
         if beaten(i, value):
             return
         seen = set()
+        model_id = order[i].model.id
         for option in sorted(options[i], key=lambda o: (free[o[1]], o[1])):
             profile, acc_id, need, cpu = option
             node_name = fleet.acc_node[acc_id]
@@ -381,7 +387,12 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
                 continue
             if cpu and cores.get(node_name) is not None and cores[node_name] < cpu:
                 continue
-            same = (profile.name, free[acc_id], acc_id in mig, users[acc_id], node_name if cores_used else "")
+            if (model_id, card[acc_id]) in busy:
+                continue
+            # Whole GPUs alike in free room and users are interchangeable, spread included (each is
+            # its own card); MIG instances of different cards are not (their siblings differ).
+            same = (profile.name, free[acc_id], acc_id in mig, users[acc_id], node_name if cores_used else "",
+                    card[acc_id] if acc_id in mig else "")
             if same in seen:
                 continue
             seen.add(same)
@@ -389,7 +400,9 @@ def _exact(demands: Sequence[Demand], fleet: Fleet, placer: Placer, best_value: 
             if cpu and cores.get(node_name) is not None:
                 cores[node_name] -= cpu
             chosen[i] = option
+            busy.add((model_id, card[acc_id]))
             search(i + 1, value + values[i])
+            busy.discard((model_id, card[acc_id]))
             chosen[i] = None
             free[acc_id] += need
             if cpu and cores.get(node_name) is not None:
@@ -424,6 +437,8 @@ def _improve(placed: list[Placed], unplaced: list[Demand], fleet: Fleet, quotas:
                     node = fleet.nodes[fleet.acc_node[acc_id]]
                     if acc_id not in placer.usable(node, profile):
                         continue
+                    if fleet.card_of(acc_id) in fleet.cards_used(demand.model.id):
+                        continue  # spread: never a second replica of the model on this GPU
                     free = fleet.free_acc.get(acc_id, 0)
                     out, gained, lost = [], free, 0.0
                     mig = fleet.acc_info[acc_id].mig
@@ -487,14 +502,20 @@ def _shift(demand: Demand, placed: list[Placed], on_acc: dict, fleet: Fleet, quo
             if fleet.acc_info[acc_id].mig or acc_id not in placer.usable(node, profile):
                 continue
             free = fleet.free_acc.get(acc_id, 0)
+            # Spread: the demand's model may be on this (whole) GPU only as the placement moved away.
+            mine = fleet.cards_used(demand.model.id).get(fleet.card_of(acc_id), 0)
             for p in sorted(on_acc[acc_id], key=lambda p: (p.replica.memory_bytes, p.demand.key)):
                 if free + p.replica.memory_bytes < need:
+                    continue
+                if mine - (p.replica.model == demand.model.id) > 0:
                     continue
                 moved = p.replica.memory_bytes
                 target = None
                 for other in sorted(fleet.free_acc, key=lambda a: (fleet.free_acc[a], a)):
                     if other == acc_id or fleet.free_acc[other] < moved or fleet.acc_info[other].mig:
                         continue
+                    if fleet.card_of(other) in fleet.cards_used(p.replica.model):
+                        continue  # spread, for the placement moved
                     other_node = fleet.nodes[fleet.acc_node[other]]
                     if p.profile.gpus != 1 or other not in placer.usable(other_node, p.profile):
                         continue

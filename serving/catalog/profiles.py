@@ -11,8 +11,13 @@ the engine's own (``serving.engines``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+from pathlib import Path
 from typing import Any
+
+from django.conf import settings
 
 from serving.engines.registry import ENGINES, engine_for, estimation_config
 
@@ -21,6 +26,75 @@ DEFAULT_CONTEXT = 4096  # where neither the configuration, the engine nor the mo
 MIN_DEGRADED_CONTEXT = 256  # a degraded relaunch halves the context, never below this; the minimal footprint's
 # Engines that can run a model on the CPU alone (the minimal footprint moves there); vLLM needs a GPU.
 CPU_ENGINES = frozenset({"llamacpp"})
+
+
+# --- where a profile may run: the placement constraints it hands the policy ---------------------------
+
+# ``accelerator_class`` (one class or a list: a replica runs on any of them; a class names its family
+# too, "h100" takes "h100-80g"), ``node_selector`` ({label: value} every node must carry), ``min_disk``
+# (bytes, or a size such as "40 GiB": free disk a node needs to fetch the weights, unless it holds
+# them) and ``mig`` (whether MIG instances are acceptable; default true).
+PLACEMENT_KEYS = ("accelerator_class", "node_selector", "min_disk", "mig")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]i?b|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+
+
+def size_bytes(value: Any) -> int:
+    """Bytes from a whole number of bytes or a size text ("40 GiB", "500MB", "1.5 TB"); ValueError
+    otherwise. GB is 10^9 bytes and GiB 2^30, as disks and the console write them."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(value)
+        return value
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(value)
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+
+
+def accelerator_classes(profile: dict) -> tuple[str, ...]:
+    wanted = profile.get("accelerator_class") or ()
+    return (wanted,) if isinstance(wanted, str) else tuple(wanted)
+
+
+def placement_constraints(profile: dict) -> dict[str, Any]:
+    """The profile's constraints as the policy's ``Profile`` fields (a profile that passed validation)."""
+    return {"accelerator_class": accelerator_classes(profile),
+            "node_selector": dict(profile.get("node_selector") or {}),
+            "min_disk_bytes": size_bytes(profile["min_disk"]) if profile.get("min_disk") is not None else 0,
+            "allow_mig": profile.get("mig", True) is not False}
+
+
+def weights_key(entry) -> str:
+    """What a node reports holding when it holds the entry's weights: the first profile's file (a
+    GGUF) or folder (safetensors) relative to the model root it lies under, as nodes report what
+    their model roots hold (a folder counts as held where the node holds files in it, see
+    ``scheduler.snapshot.node_info``). Empty when the file lies under no root."""
+    file = first(entry).get("file")
+    if not file:
+        return ""
+    path = Path(file)
+    for root in settings.SCHEDULER_MODEL_ROOTS:
+        if path.is_relative_to(root):
+            return str(path.relative_to(root))
+    return ""
+
+
+def constrained(model, entry):
+    """The policy's ``DesiredModel`` for ``entry`` with each profile's placement constraints (matched
+    by name, the minimal footprint's too) and the weights key, so those filters and the
+    weights-locality preference act."""
+    by_name = {p.get("name") or f"profile-{i}": p for i, p in enumerate(entry.profiles or [])}
+
+    def apply(profile):
+        written = by_name.get(profile.name)
+        return dataclasses.replace(profile, **placement_constraints(written)) if written is not None else profile
+
+    return dataclasses.replace(model, profiles=tuple(apply(p) for p in model.profiles),
+                               minimal=tuple(apply(p) for p in model.minimal), weights_key=weights_key(entry))
 
 
 def first(entry) -> dict:

@@ -141,9 +141,12 @@ def desired_model(entry: ModelEntry, speeds: Mapping[tuple[str, str], float] | N
         if added is None:
             return None  # what it must load beside it cannot be served: it cannot be placed either
         draft = Draft(entry.draft, added)
-    return DesiredModel(entry.name, tuple(ways), Scaling(min=0, max=entry.scaling_max),
-                        capacity_class=entry.service_class, owner=entry.owner.path if entry.owner else "",
-                        fingerprint=entry.fingerprint, draft=draft, minimal=tuple(minimal))
+    model = DesiredModel(entry.name, tuple(ways), Scaling(min=0, max=entry.scaling_max),
+                         capacity_class=entry.service_class, owner=entry.owner.path if entry.owner else "",
+                         fingerprint=entry.fingerprint, draft=draft, minimal=tuple(minimal))
+    # The profiles' placement constraints (class, labels, disk, MIG) and the weights key: the
+    # placement pass and the headroom dry run filter alike.
+    return profiles.constrained(model, entry)
 
 
 def _draft_bytes(entry: ModelEntry, profile: dict) -> int | None:

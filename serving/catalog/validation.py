@@ -7,11 +7,14 @@ import json
 import re
 from typing import Any
 
+from scheduler import labels
+from serving.catalog import profiles as catalog_profiles
 from serving.catalog.errors import InvalidModelEntry
 from serving.models import ModelEntry
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+CLASS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # as discovery names them: h100-80g, a100-80g-mig-3g.40gb
 ENGINES = ("llamacpp", "vllm")
 TASKS = ("chat", "completion", "embedding", "rerank")
 CLASSES = ("", "critical", "standard", "opportunistic")  # "": automatic (the placement policy's rule)
@@ -80,6 +83,7 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
         priority = profile.get("priority")
         if priority is not None and (not isinstance(priority, int) or not 0 <= priority <= 100):
             problem(f"{where}.priority", "0 to 100.")
+        found.extend(placement_problems(profile, where))
     low, high = entry.get("scaling_min", 0), entry.get("scaling_max", 1)
     if not _whole(low) or low < 0:
         problem("scaling_min", f"A whole number, 0 or more (not {low!r}).")
@@ -113,6 +117,52 @@ def problems_of(entry: dict[str, Any]) -> list[dict[str, str]]:
     elif name in fallbacks:
         problem("fallbacks", "A model cannot fall back to itself.")
     return found
+
+
+def placement_problems(profile: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """What is wrong with a profile's placement constraints (``profiles.PLACEMENT_KEYS``); each
+    problem names its field and carries a stable ``code``."""
+    found = []
+
+    def problem(key: str, code: str, message: str) -> None:
+        found.append({"field": f"{where}.{key}", "code": code, "message": message})
+
+    wanted = profile.get("accelerator_class")
+    if wanted is not None and wanted != "":
+        listed = [wanted] if isinstance(wanted, str) else wanted
+        if not isinstance(listed, list) or not listed or any(not isinstance(c, str) or not CLASS.match(c)
+                                                             for c in listed):
+            problem("accelerator_class", "invalid_accelerator_class",
+                    "An accelerator class (letters, digits, '.', '_', '-', e.g. h100 or h100-80g) or a "
+                    f"non-empty list of them (not {wanted!r}).")
+        elif len({c.lower() for c in listed}) != len(listed):
+            problem("accelerator_class", "invalid_accelerator_class", "A class is listed twice.")
+        elif _on_cpu(profile):
+            problem("accelerator_class", "invalid_accelerator_class",
+                    "An accelerator class asks for a GPU: the profile runs on the CPU (gpus 0).")
+    selector = profile.get("node_selector")
+    if selector is not None:
+        wrong = labels.problems(selector)
+        if wrong:
+            problem("node_selector", "invalid_node_selector", " ".join(wrong))
+    size = profile.get("min_disk")
+    if size is not None:
+        try:
+            catalog_profiles.size_bytes(size)
+        except ValueError:
+            problem("min_disk", "invalid_min_disk",
+                    f"Bytes (a whole number, 0 or more) or a size such as \"40 GiB\" or \"500 MB\" (not {size!r}).")
+    mig = profile.get("mig")
+    if mig is not None and not isinstance(mig, bool):
+        problem("mig", "invalid_mig", f"True or false: whether MIG instances may run it (not {mig!r}).")
+    return found
+
+
+def _on_cpu(profile: dict[str, Any]) -> bool:
+    try:
+        return not catalog_profiles.gpus(profile)
+    except (TypeError, ValueError):
+        return False  # an unreadable GPU count is not this field's problem
 
 
 def _whole(value: Any) -> bool:

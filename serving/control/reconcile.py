@@ -1,15 +1,24 @@
 """The control loop's pass (beat runs it every 15 s): replicas on a lost node are failed, which gives
 back what they held (their agent cannot report, and cannot be asked to stop them); then the
 placement policy's plan is applied (it also unloads on-demand models idle past their timeout).
-The agents reconcile what runs on their own node (``serving.node.heartbeat``)."""
+The agents reconcile what runs on their own node (``serving.node.heartbeat``).
+
+One process runs the periodic pass: the holder of the control loop's lease (``berth.lease``), which
+it renews each pass and which expires after three missed passes (``berth.health.MISSED_PASSES``), so
+two beat processes, or two control workers, never both run the loop; a contender skips the pass and
+says so in the log, and takes the lease over once it has expired. The pass a change asks for
+(``run_soon``) and on-demand loads run wherever they were asked, one at a time under placement's pass
+lock: they answer one change, and making them wait for the holder would only delay it."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from django.core.cache import cache
 from django.db import transaction
 
+from berth import health, lease
 from scheduler.models import Node
 from serving import queues
 from serving.control import placement
@@ -17,9 +26,14 @@ from serving.deployments import states
 from serving.models import DeploymentState as S, Replica
 from serving.models.states import ACTIVE
 
+log = logging.getLogger(__name__)
+
 
 def run() -> int:
-    """One pass; returns how many replicas of lost nodes it failed."""
+    """One periodic pass, by the lease's holder only; returns how many replicas of lost nodes it failed
+    (0 when it skipped the pass: another process holds the lease)."""
+    if not lead():
+        return 0
     failed = fail_replicas_of_lost_nodes()
     placement.reconcile()
     cache.set("berth:control:last-pass", time.time(), None)  # berth.health: the loop is alive
@@ -35,6 +49,33 @@ def run_soon() -> int:
         queues.reconcile_soon()
     cache.set("berth:control:last-pass", time.time(), None)  # berth.health: the loop is alive
     return failed
+
+
+def lease_seconds() -> float:
+    """How long the lease lasts unrenewed: three passes' interval (the loop is stale after as many)."""
+    return health.MISSED_PASSES * (health.pass_interval() or 15.0)
+
+
+def lead(holder: str | None = None) -> bool:
+    """Take or renew the control loop's lease for ``holder`` (this process by default); False, and a
+    log line naming the holder, when another process holds it."""
+    holder = holder or lease.identity()
+    before = lease.read(lease.CONTROL_LOOP)
+    held, current = lease.claim(lease.CONTROL_LOOP, holder, lease_seconds())
+    if not held:
+        log.info("control loop pass skipped: its lease is held by %s (renewed %.0f s ago, expires in %.0f s)",
+                 current.holder, current.renewed_age_s, (current.expires_at - current.now).total_seconds())
+        return False
+    if before is None:
+        log.info("control loop lease taken by %s", holder)
+    elif before.holder != holder:
+        log.warning("control loop lease taken over by %s from %s, whose lease expired %.0f s ago "
+                    "(it last renewed it %.0f s ago)", holder, before.holder,
+                    (current.now - before.expires_at).total_seconds(),
+                    (current.now - before.renewed_at).total_seconds())
+    elif before.expired:
+        log.info("control loop lease taken again by %s (it had expired)", holder)
+    return True
 
 
 def fail_replicas_of_lost_nodes() -> int:

@@ -5,6 +5,9 @@ plain data narrowed to what the caller may see.
 * ``capacity`` — per accelerator class, the placeable units (GPUs, or MIG instances of a card in MIG
   mode) and how many hold a memory reservation: the fleet's, shown to every caller, with no tenant's
   names in it; ``free_nodes`` — ready nodes with accelerators none of which is held.
+* ``memory`` — per node, its memory per accelerator class and its system memory: total, reserved
+  (Berth's reservations), measured (what the devices report in use; null when any is not read) and
+  free (total less the larger of the two). The fleet's too, with no holder named.
 * ``models`` — every catalog entry the caller may see, as the catalog's pages place it
   (``catalog.queries.held_entries`` → ``catalog.room.placement``): ready of wanted, and satisfied
   when it has what it should have now. Parked never counts as satisfied, whatever runs.
@@ -14,8 +17,10 @@ plain data narrowed to what the caller may see.
   (``serving.load.last_used``; a model whose last use is not known is not idle).
 * ``watchdog`` — the memory level per node, as the caller's ``levels`` reads it (the node agent's
   watchdog keeps them; control does not import it, the transports pass ``node.watchdog.levels``).
+* ``deployments`` — the deployments the caller may see, counted by state (a deployment that runs a
+  file under its own name is not a catalog model, and still runs).
 * ``failures`` — the latest deployment events to ``failed`` in the last 24 hours, of deployments
-  the caller may see.
+  the caller may see; ``failures_count`` — how many there were in all.
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db.models import Prefetch
+from django.db.models import Count, OuterRef, Prefetch, Subquery, Sum
 
-from scheduler.models import Accelerator, Node
+from scheduler.models import Accelerator, MemoryReservation, Node
 from serving import load
 from serving.catalog import queries, room
-from serving.models import DeploymentEvent, DeploymentState
+from serving.models import Deployment, DeploymentEvent, DeploymentState
 from serving.models.states import UP
 from tenancy import access
 
@@ -44,15 +49,21 @@ def summary(caller: Any, *, levels: Callable | None = None, now: float | None = 
     """Every figure the status shows, as plain data (JSON as it stands) for ``caller``.
     ``levels``: nodes → {node name: level} or None when not known (``serving.node.watchdog.levels``)."""
     now = time.time() if now is None else now
-    nodes = list(Node.objects.order_by("name").prefetch_related(
-        Prefetch("accelerators", queryset=Accelerator.objects.prefetch_related("reservations"))))
+    # What the node itself holds (replicas on its CPU), summed in the nodes' own query.
+    system_reserved = (MemoryReservation.objects.filter(node=OuterRef("pk"), accelerator__isnull=True).order_by()
+                       .values("node").annotate(total=Sum("bytes")).values("total"))
+    accelerators = Accelerator.objects.prefetch_related("reservations")
+    nodes = list(Node.objects.order_by("name").annotate(system_reserved_bytes=Subquery(system_reserved))
+                 .prefetch_related(Prefetch("accelerators", queryset=accelerators)))
     models = _models(caller, now)
     return {
         "capacity": _capacity(nodes),
         "free_nodes": _free_nodes(nodes),
         "nodes": _nodes(nodes, levels),
+        "memory": _memory(nodes),
         **models,
-        "failures": _failures(caller, now),
+        "deployments": _deployments(caller),
+        **_failures(caller, now),
     }
 
 
@@ -95,6 +106,35 @@ def _free_nodes(nodes: list) -> list[str]:
             if node.state == Node.State.READY and _units(node) and not any(_held(u) for u in _units(node))]
 
 
+def _memory_row(kind: str, device: str, units: int, total: int, reserved: int, measured: int | None) -> dict:
+    # Free is what neither Berth's reservations nor the devices' own reading claim; a reading not
+    # taken is not zero use, so free then rests on the reservations alone.
+    claimed = reserved if measured is None else max(reserved, measured)
+    return {"kind": kind, "device": device, "units": units, "total_bytes": total, "reserved_bytes": reserved,
+            "measured_bytes": measured, "free_bytes": max(0, total - claimed)}
+
+
+def _memory(nodes: list) -> list[dict]:
+    out = []
+    for node in nodes:
+        classes: dict[str, list] = {}
+        for unit in _units(node):
+            classes.setdefault(unit.accelerator_class or UNCLASSED, []).append(unit)
+        rows = []
+        for name in sorted(classes):
+            units = classes[name]
+            used = [u.memory_used_bytes for u in units]
+            rows.append(_memory_row("accelerator", name, len(units), sum(u.memory_total_bytes or 0 for u in units),
+                                    sum(r.bytes for u in units for r in u.reservations.all()),
+                                    None if None in used else sum(used)))
+        if node.memory_total_bytes:
+            total, available = node.memory_total_bytes, node.memory_available_bytes
+            rows.append(_memory_row("system", "system memory", 0, total, node.system_reserved_bytes or 0,
+                                    None if available is None else max(0, total - available)))
+        out.append({"node": node.name, "node_id": str(node.public_id), "state": node.state, "memory": rows})
+    return out
+
+
 def _nodes(nodes: list, levels: Callable | None) -> list[dict]:
     known = levels(nodes) if levels is not None else None
     return [{"name": node.name, "state": node.state,
@@ -114,7 +154,8 @@ def _models(caller: Any, now: float) -> dict:
         is_parked = verdict.get("state") == "parked"
         satisfied = not is_parked and place["state"] not in ("parked", "unplaceable") \
             and place["ready"] >= place["wanted"]
-        rows.append({"name": entry.name, "owner": entry.owner.path if entry.owner else None,
+        rows.append({"name": entry.name, "public_id": str(entry.public_id),
+                     "owner": entry.owner.path if entry.owner else None,
                      "ready": place["ready"], "wanted": place["wanted"], "starting": place["starting"],
                      "state": "parked" if is_parked else place["state"],
                      "reason": verdict.get("detail", "") if is_parked else place["reason"],
@@ -144,10 +185,18 @@ def _idle(entries: list, now: float) -> list[dict]:
     return sorted(idle, key=lambda r: (-r["idle_seconds"], r["model"]))
 
 
-def _failures(caller: Any, now: float) -> list[dict]:
+def _deployments(caller: Any) -> dict[str, int]:
+    counted = access.visible_owned(caller, Deployment.objects.all()).order_by().values("state").annotate(n=Count("id"))
+    return {row["state"]: row["n"] for row in counted}
+
+
+def _failures(caller: Any, now: float) -> dict:
     since = datetime.fromtimestamp(now, tz=UTC) - FAILURES_SINCE
     events = access.visible_owned(caller, DeploymentEvent.objects.filter(to_state=DeploymentState.FAILED, at__gte=since)
                                   .select_related("deployment__node"), "deployment__owner")
-    return [{"deployment": e.deployment.name, "node": e.deployment.node.name, "at": e.at.isoformat(),
-             "from_state": e.from_state, "message": e.message}
-            for e in events.order_by("-at", "-id")[:FAILURES_LIMIT]]
+    latest = [{"deployment": e.deployment.name, "deployment_id": str(e.deployment.public_id),
+               "node": e.deployment.node.name, "at": e.at.isoformat(), "from_state": e.from_state,
+               "message": e.message} for e in events.order_by("-at", "-id")[:FAILURES_LIMIT]]
+    # All of the day's, counted only when the latest do not already say how many there are.
+    count = len(latest) if len(latest) < FAILURES_LIMIT else events.count()
+    return {"failures": latest, "failures_count": count}

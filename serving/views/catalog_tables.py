@@ -1,7 +1,12 @@
+from collections import Counter
+from urllib.parse import urlencode
+
 from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
 
 from berth.tables import Column, Table
+from serving.models import DeploymentState as S
+from serving.models.states import TERMINAL
 
 
 def _size(entry):
@@ -22,6 +27,24 @@ def _replicas(entry):
     where = entry.placement
     text = f"{where['ready']} of {where['wanted']} ready"
     return f"{text}, {where['starting']} starting" if where["starting"] else text
+
+
+def _deployments(entry):
+    """``ready 1/1 · 2 stopped``: each live deployment's state with its ready replicas of those it
+    wants, then the ended ones counted by state (the rows ``queries.held`` attached)."""
+    live, ended = [], Counter()
+    for deployment in entry.deployments:
+        if deployment.state in TERMINAL:
+            ended[deployment.state] += 1
+            continue
+        ready = sum(r.state == S.READY for r in deployment.replica_set.all())
+        live.append(f"{deployment.state} {ready}/{deployment.replicas}")
+    ended_text = [state if count == 1 else f"{count} {state}" for state, count in sorted(ended.items())]
+    return " · ".join(live + ended_text) or None
+
+
+def _deployments_link(entry):
+    return f"{reverse('serving:index')}?{urlencode({'q': entry.name})}"
 
 
 def _nodes(entry):
@@ -46,13 +69,14 @@ class HeldTable(Table):
         Column("Size", _size, numeric=True),
         Column("Files", _verified),
         Column("Replicas", _replicas),
+        Column("Deployments", _deployments, link=_deployments_link),
         Column("Nodes", _nodes),
         Column("State", _state),
         Column("Placement", _scaling),
         Column("Source", lambda e: e.source_repo or e.source_package or e.source_path),
         Column("Owner", lambda e: e.owner.written if e.owner else "shared"),
     )
-    empty_message = "The mirror holds no model yet. Fetch one from the hub, or import a local file."
+    empty_message = "The mirror holds no model yet. Fetch one from the hub on the Fetch tab, or serve one in one step there."
 
 
 class FetchJobTable(Table):

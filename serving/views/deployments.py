@@ -7,18 +7,18 @@ import json
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
-from django.http import Http404
-from django.shortcuts import redirect
+from django.http import Http404, HttpResponse
+from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views import View
 
 from berth.errors import BerthError, InvalidInput
-from berth.htmx import render_page
-from serving.deployments import gate, operations, service
+from berth.htmx import render_page, wants_fragment
+from serving.deployments import actions, gate, operations, service
 from serving.deployments.filters import DeploymentFilterSet
 from serving.deployments.service import visible_deployments
 from serving.models import Deployment, DeploymentState as S, Operation
-from serving.models.states import SETTLED
+from serving.models.states import SETTLED, TERMINAL
 from serving.views.forms import DeployForm
 from serving.views.live import deployment_events
 from serving.views.tables import DeploymentTable, EventTable, OperationTable
@@ -64,14 +64,56 @@ class DeploymentView(DeploymentMixin, ConsolePage):
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
         deployment = self.get_object()
-        events = list(deployment.events.all())
-        operations = Operation.objects.filter(source=deployment) | Operation.objects.filter(target=deployment)
-        context.update(deployment=deployment, events=EventTable(reversed(events)),
-                       operations=OperationTable(operations.distinct()),
-                       log_tail=next((e.log_tail for e in reversed(events) if e.log_tail), ""),
-                       settled=deployment.state in SETTLED,
-                       live_events=bool(settings.REDIS_URL))
+        context.update(deployment_context(self.request, deployment))
         return context
+
+
+# The console's buttons, in the order they are shown: (label, class, confirmation). Stop and Remove
+# end what runs or what is kept: they ask first.
+BUTTONS = {
+    "start": ("Start", "secondary", ""),
+    "stop": ("Stop", "secondary", "Stop {name}? Requests to it fail until it runs again."),
+    "sleep": ("Sleep", "secondary", ""),
+    "wake": ("Wake", "secondary", ""),
+    "remove": ("Remove", "danger", "Remove {name}? Its record and its events go; this cannot be undone."),
+}
+
+
+def may_act(request, deployment) -> bool:
+    """Whether the caller's role lets them act on it (the service's own rule: member of its owner)."""
+    try:
+        service.require(Actor.from_request(request), "use", deployment)
+    except BerthError:
+        return False
+    return True
+
+
+def action_buttons(request, deployment) -> dict:
+    """What the actions panel shows: a button for each verb possible in the deployment's state
+    (``actions.possible``, the rule a verb posted anyway is refused by), none for a caller whose
+    role does not let them act, and what it would take when none is offered."""
+    allowed = may_act(request, deployment)
+    possible = actions.possible(deployment)
+    buttons = [{"verb": verb, "label": label, "style": style, "confirm": confirm.format(name=deployment.name)}
+               for verb, (label, style, confirm) in BUTTONS.items() if allowed and verb in possible]
+    if not allowed:
+        owner = deployment.owner.written if deployment.owner else None
+        none = f"Acting on it takes member (or above) of {owner}." if owner else "Only administrators act on it."
+    else:
+        none = "" if buttons else f"Nothing to do while it is {deployment.get_state_display().lower()}."
+    return {"buttons": buttons, "may_act": allowed, "no_buttons": none,
+            "may_reconfigure": allowed and "reconfigure" in possible}
+
+
+def deployment_context(request, deployment) -> dict:
+    """The deployment page's facts, live panel and actions, as the page and its fragments show them."""
+    events = list(deployment.events.all())
+    operations = Operation.objects.filter(source=deployment) | Operation.objects.filter(target=deployment)
+    return {"deployment": deployment, "events": EventTable(reversed(events)),
+            "operations": OperationTable(operations.distinct()),
+            "log_tail": next((e.log_tail for e in reversed(events) if e.log_tail), ""),
+            "settled": deployment.state in SETTLED, "live_events": bool(settings.REDIS_URL),
+            **action_buttons(request, deployment)}
 
 
 def _back_to(deployment) -> str:
@@ -79,8 +121,12 @@ def _back_to(deployment) -> str:
 
 
 class DeploymentActionView(DeploymentMixin, ObjectAction):
-    """POST stop / start / sleep / wake / remove on one deployment, then back to its page (to the
-    list once removed). A refusal, even "not allowed", is said on the deployment's page."""
+    """POST start / stop / sleep / wake / remove on one deployment. A verb the deployment's state
+    does not take (``actions.require_possible``) is refused with the reason before the service is
+    called, so nothing changes. To a plain POST: back to its page (to the list once removed), the
+    outcome said there. To HTMX: the actions panel swapped in place with the outcome, the live panel
+    with it (out of band); once removed, to the list (``HX-Redirect``). A refusal, even "not
+    allowed", is said where the button was."""
 
     page_refusals = ()
     verbs = {"stop": service.stop, "start": service.start, "remove": service.remove, "sleep": service.sleep,
@@ -93,28 +139,59 @@ class DeploymentActionView(DeploymentMixin, ObjectAction):
 
     def perform(self, deployment, data):
         verb = self.kwargs["verb"]
+        service.require(self.actor, "use", deployment)  # a role that may not act hears that first
+        actions.require_possible(deployment, verb)
         done = self.verbs[verb](self.actor, deployment)
+        return deployment if verb == "remove" else done  # removed: the list is where to go back to
+
+    def outcome(self, deployment, result) -> tuple[int, str]:
+        """(message level, what happened), as the panel or the next page says it."""
+        verb, name = self.kwargs["verb"], deployment.name
         if verb == "wake":
-            self.say_how_the_wake_stands(self.request, done)
-        if verb == "remove":
-            messages.success(self.request, f"{deployment.name} removed.")
-            return deployment  # gone: the list is where to go back to (``success_url``)
-        return done
+            return how_the_wake_stands(result)
+        if verb == "stop" and result.state in TERMINAL:
+            return messages.SUCCESS, f"{name} stopped."
+        return messages.SUCCESS, {"start": f"{name} is starting.", "stop": f"{name} is stopping.",
+                                  "sleep": f"{name} is going to sleep.", "remove": f"{name} removed."}[verb]
+
+    def done(self, deployment, result):
+        level, said = self.outcome(deployment, result)
+        if self.kwargs["verb"] == "remove" or not wants_fragment(self.request):
+            messages.add_message(self.request, level, said)  # said on the page gone to next
+        self.said = (level, said)
+        return super().done(deployment, result)
+
+    def fragment(self, deployment, result, error=None):
+        if error is None and self.kwargs["verb"] == "remove":
+            response = HttpResponse(status=204)
+            response["HX-Redirect"] = reverse("serving:index")  # gone: htmx goes to the list
+            return response
+        fresh = self.get_queryset().filter(pk=deployment.pk).first()
+        if fresh is None:  # removed meanwhile by someone else
+            response = HttpResponse(status=204)
+            response["HX-Redirect"] = reverse("serving:index")
+            return response
+        level, said = (messages.ERROR, error.message) if error is not None else self.said
+        context = {**deployment_context(self.request, fresh), "result": said,
+                   "result_is_error": level == messages.ERROR}
+        # 200 with the refusal inside: htmx swaps only successful answers; the panel says what went wrong.
+        return render(self.request, "serving/deployment_acted.html", context)
 
     def success_url(self, deployment, result):
         if result is not None and self.kwargs["verb"] == "remove":
             return reverse("serving:index")
         return _back_to(deployment)
 
-    @staticmethod
-    def say_how_the_wake_stands(request, deployment) -> None:
-        """A wake not done within the wait goes on in the background: say where it stands."""
-        if deployment.state == S.READY:
-            messages.success(request, f"{deployment.name} is awake.")
-        elif deployment.state == S.SLEEPING:
-            position = gate.wake_position(deployment.replica_set.filter(state=S.SLEEPING))
-            messages.info(request, f"{deployment.name} waits for a start-up slot (position {position}) and wakes at "
-                                   "its turn." if position else f"{deployment.name} is waking.")
+
+def how_the_wake_stands(deployment) -> tuple[int, str]:
+    """A wake not done within the wait goes on in the background: say where it stands."""
+    if deployment.state == S.READY:
+        return messages.SUCCESS, f"{deployment.name} is awake."
+    if deployment.state == S.SLEEPING:
+        position = gate.wake_position(deployment.replica_set.filter(state=S.SLEEPING))
+        return messages.INFO, (f"{deployment.name} waits for a start-up slot (position {position}) and wakes at its "
+                               "turn." if position else f"{deployment.name} is waking.")
+    return messages.INFO, f"{deployment.name} is {deployment.state}."
 
 
 class ReconfigureView(DeploymentMixin, ObjectAction):
@@ -125,6 +202,8 @@ class ReconfigureView(DeploymentMixin, ObjectAction):
     page_refusals = ()
 
     def perform(self, deployment, data):
+        service.require(self.actor, "use", deployment)
+        actions.require_possible(deployment, "reconfigure")
         try:
             patch = json.loads(self.request.POST.get("config") or "{}")
         except ValueError as error:

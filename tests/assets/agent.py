@@ -22,13 +22,15 @@ class Agent:
     """``manage.py agent --node NODE`` as a subprocess on the test database (stopped by its PID)."""
 
     def __init__(self, tmp_path: Path, model_root: Path, slots: int = 1, log_name: str = "agent.log",
-                 startup_timeout: int = 120):
+                 startup_timeout: int = 120, environ: dict | None = None):
+        """``environ`` overrides any variable (another database: ``DATABASE_URL``)."""
         db = connection.settings_dict
         self.log_path = tmp_path / log_name
         environment = dict(os.environ, **database_environ(db),
                            BERTH_MODEL_ROOTS=str(model_root), BERTH_ENGINE_DIR=str(tmp_path / "engines"),
                            BERTH_STARTUP_SLOTS=str(slots), BERTH_HEARTBEAT_SECONDS="1",
                            BERTH_STARTUP_TIMEOUT_SECONDS=str(startup_timeout))
+        environment.update(environ or {})
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen([sys.executable, "manage.py", "agent", "--node", NODE, "--concurrency", "4"],
                                         cwd=ROOT, env=environment, stdout=self.log, stderr=subprocess.STDOUT,

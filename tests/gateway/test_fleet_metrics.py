@@ -161,7 +161,7 @@ def test_no_client_string_is_a_label(fleet):
     for stray in CLIENT_STRINGS:
         assert stray not in text
     labels = {key for family in text_string_to_metric_families(text) for s in family.samples for key in s.labels}
-    assert labels <= {"model", "node", "state", "accelerator", "accelerator_class", "scope", "resource"}
+    assert labels <= {"model", "node", "state", "accelerator", "accelerator_class", "scope", "resource", "holder"}
 
 
 def test_a_database_outage_leaves_the_gateway_series(fleet, monkeypatch):

@@ -148,3 +148,72 @@ def test_estimate_form_shows_the_error_code(client, admin_user, model_root):
     response = client.get(reverse("scheduler:estimate"), {"model_path": "/etc/passwd", "engine": "llamacpp"},
                           HTTP_HX_REQUEST="true")
     assert response.status_code == 400 and "model_outside_roots" in response.content.decode()
+
+
+# --- node labels: an admin's, what catalog profiles' node selectors match ------------------------------
+
+def test_staff_sets_node_labels_through_the_api_with_an_audit_event(client, admin_user, cpu_node):
+    client.force_login(admin_user)
+    url = f"/api/scheduler/nodes/{cpu_node.public_id}/labels/"
+    response = client.put(url, {"labels": {"zone": "a", "berth.example/pool": "gpu-large"}},
+                          content_type="application/json")
+    assert response.status_code == 200 and response.json()["labels"] == {"zone": "a", "berth.example/pool": "gpu-large"}
+    event = AuditEvent.objects.get(action="node.labels")
+    assert event.details == {"from": {}, "to": {"zone": "a", "berth.example/pool": "gpu-large"}}
+    assert client.put(url, {"labels": {}}, content_type="application/json").json()["labels"] == {}
+
+
+@pytest.mark.parametrize("labels, named", [
+    ({"zone a": "x"}, "label name"), ({"zone": "a b"}, "label value"), ({"Bad_Prefix/zone": "a"}, "prefix"),
+    ({"zone": 3}, "a text"), ({"-zone": "a"}, "label name"), ({"zone": "x" * 64}, "label value"),
+])
+def test_labels_that_kubernetes_would_refuse_are_refused_with_their_code(client, admin_user, cpu_node, labels, named):
+    client.force_login(admin_user)
+    response = client.put(f"/api/scheduler/nodes/{cpu_node.public_id}/labels/", {"labels": labels},
+                          content_type="application/json")
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid_node_labels" and named in error["message"]
+    assert error["details"]["problems"][0]["field"] == "labels"
+    assert Node.objects.get(pk=cpu_node.pk).labels == {}
+
+
+def test_only_staff_set_labels(client, personas, member, cpu_node):
+    url = f"/api/scheduler/nodes/{cpu_node.public_id}/labels/"
+    for user in (member, personas.olivia, personas.oscar, personas.vera):  # org owners are not fleet admins
+        client.force_login(user)
+        response = client.put(url, {"labels": {"zone": "a"}}, content_type="application/json")
+        assert response.status_code == 403 and response.json()["error"]["code"] == "permission_denied"
+    client.logout()
+    assert client.put(url, {"labels": {"zone": "a"}}, content_type="application/json").status_code in (401, 403)
+    assert Node.objects.get(pk=cpu_node.pk).labels == {}
+
+
+def test_a_heartbeat_keeps_the_labels_an_admin_set(admin_user, cpu_node):
+    from scheduler.services import EngineReport, NodeReport, register_node, set_labels
+    from tenancy.audit import Actor
+    set_labels(cpu_node, Actor(user=admin_user), {"zone": "a"})
+    register_node(NodeReport(name="cpu-01", address="127.0.0.1",
+                             engines=(EngineReport(kind="llamacpp", version="b1"),)))
+    assert Node.objects.get(pk=cpu_node.pk).labels == {"zone": "a"}
+
+
+def test_node_page_shows_labels_and_staff_edit_them(client, admin_user, member, cpu_node):
+    page = reverse("scheduler:node", kwargs={"public_id": cpu_node.public_id})
+    url = reverse("scheduler:node-labels", kwargs={"public_id": cpu_node.public_id})
+    client.force_login(member)
+    assert client.post(url, {"labels": "zone=a"}).status_code == 403
+    assert "Save labels" not in client.get(page).content.decode()
+    client.force_login(admin_user)
+    response = client.post(url, {"labels": "zone=a\ngpu=h100, tier=gold"})
+    assert response.status_code == 302
+    assert Node.objects.get(pk=cpu_node.pk).labels == {"zone": "a", "gpu": "h100", "tier": "gold"}
+    body = client.get(page).content.decode()
+    assert "<code>zone=a</code>" in body and "Save labels" in body and "labels are saved" in body
+    client.force_login(member)
+    assert "<code>gpu=h100</code>" in client.get(page).content.decode()  # everyone reads the fleet's labels
+    client.force_login(admin_user)
+    client.post(url, {"labels": "zone"})
+    assert "write a label as key=value" in client.get(page).content.decode()
+    client.post(url, {"labels": "zone=a b"})
+    assert "a label value is empty or 1-63 letters" in client.get(page).content.decode()
+    assert Node.objects.get(pk=cpu_node.pk).labels == {"zone": "a", "gpu": "h100", "tier": "gold"}

@@ -44,9 +44,12 @@ def test_reservations_count_against_the_room_a_dry_run_sees(h100_node):
     free = memory.budget_for(h100_node, gpu).free_for_new
     memory.reserve_memory(h100_node, "replica:x", free, accelerator=gpu)
     snap = current_snapshot((llm("small", gib=30),), now=1000.0)
-    fits = sum(a.memory_bytes // (30 * GIB) for a in snap.nodes[0].accelerators[1:])
+    # One replica of a model per GPU (spread): the card reserved in full takes nothing, one GPU takes
+    # the pending launch, every other GPU with 30 GiB free one more.
+    fits = sum(1 for a in snap.nodes[0].accelerators if a.memory_bytes >= 30 * GIB)
     answer = headroom(snap, "small", limit=64)
-    assert answer["more"] == fits - 1  # the card reserved in full takes nothing; one is the pending launch
+    assert answer["more"] == fits - 1
+    assert "would fit only on a GPU that already runs one of its replicas" in answer["blocked"]
     row = PlacementDecision.objects.get(kind="headroom")
     assert row.verdict == "dry-run" and row.evidence["more"] == fits - 1
 

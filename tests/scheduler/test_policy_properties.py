@@ -25,6 +25,10 @@ def snapshots(draw):
         gpus = rnd.choice([0, 1, 2, 4])
         accs = tuple(AcceleratorInfo(f"n{n}g{i}", i, rnd.choice(["h100", "l40"]), rnd.choice([24, 48, 80]) * G,
                                      mig=False) for i in range(gpus))
+        if rnd.random() < 0.3:  # a card in MIG mode: its instances are the units, the card their failure domain
+            card = f"n{n}card{gpus}"
+            accs += tuple(AcceleratorInfo(f"{card}mig{j}", gpus, "a100-80g-mig-3g.40gb", rnd.choice([10, 20, 40]) * G,
+                                          mig=True, card=card) for j in range(rnd.randint(2, 3)))
         nodes.append(NodeInfo(f"n{n}", state=rnd.choice(["ready"] * 5 + ["cordoned"]),
                               engines=frozenset({"vllm", "llamacpp"}), cpu_count=rnd.choice([8, 16, None]),
                               memory_bytes=rnd.choice([32, 64]) * G, accelerators=accs,
@@ -37,7 +41,8 @@ def snapshots(draw):
                 profiles.append(Profile(f"cpu{p}", "llamacpp", 0, rnd.randint(1, 20) * G, cpu_cores=rnd.randint(1, 8)))
             else:
                 profiles.append(Profile(f"gpu{p}", "vllm", rnd.choice([1, 1, 2]), rnd.randint(4, 60) * G,
-                                        accelerator_class=rnd.choice(["", "h100"]), priority=rnd.randint(0, 2)))
+                                        accelerator_class=rnd.choice(["", "h100", ("h100", "a100")]),
+                                        allow_mig=rnd.random() < 0.8, priority=rnd.randint(0, 2)))
         low = rnd.choice([0, 1, 1, 2])
         models.append(DesiredModel(
             f"m{m}", tuple(profiles), Scaling(min=low, max=low + rnd.randint(0, 2), idle_timeout_s=600),
@@ -159,3 +164,63 @@ def test_preemption_takes_at_most_three_victims_and_holds_their_models(snap):
             per_beneficiary.setdefault(e.beneficiary, []).append(e)
             assert any(h.model == e.model for h in plan.holds)
     assert all(len(v) <= 3 for v in per_beneficiary.values())
+
+
+def _cards(snap):
+    """Accelerator id → its physical GPU (a MIG instance's parent card)."""
+    return {a.id: a.card or a.id for n in snap.nodes for a in n.accelerators}
+
+
+@PROPS
+@given(snapshots())
+def test_no_plan_puts_two_replicas_of_a_model_on_one_gpu(snap):
+    """Spread: never two replicas of a model on one physical GPU (two MIG instances of one card
+    count as one GPU), whatever the residents, quotas and preemption."""
+    plan = schedule(snap)
+    card = _cards(snap)
+    gone = {e.replica for e in plan.evictions}
+    used: dict[str, set] = {}
+    for r in snap.replicas:
+        if r.id not in gone:
+            used.setdefault(r.model, set()).update(card.get(a, a) for a in r.accelerators)
+    for launch in plan.launches:
+        mine = {card[a] for a in launch.accelerators}
+        assert len(mine) == len(launch.accelerators), launch  # a tensor-parallel replica's shards too
+        assert not mine & used.get(launch.model, set()), (launch, used.get(launch.model))
+        used.setdefault(launch.model, set()).update(mine)
+    # And the state reached stays that way, pass after pass.
+    after = apply(snap, plan)
+    for r in schedule(after).launches:
+        assert not {card[a] for a in r.accelerators} & used.get(r.model, set())
+
+
+
+@st.composite
+def crowded(draw):
+    """A small fleet asked for more than it holds, several replicas per model, no quotas: the
+    packer's swaps, exact search and repack all run (where a stacked replica would pay best)."""
+    rnd = random.Random(draw(st.integers(0, 2**32 - 1)))
+    nodes = []
+    for n in range(rnd.randint(1, 2)):
+        accs = tuple(AcceleratorInfo(f"n{n}g{i}", i, "h100-80g", rnd.choice([40, 80]) * G)
+                     for i in range(rnd.randint(1, 3)))
+        if rnd.random() < 0.5:
+            accs += tuple(AcceleratorInfo(f"n{n}c9mig{j}", 9, "h100-80g-mig-3g.40gb", 40 * G, mig=True, card=f"n{n}c9")
+                          for j in range(2))
+        nodes.append(NodeInfo(f"n{n}", engines=frozenset({"vllm"}), cpu_count=64, memory_bytes=64 * G,
+                              accelerators=accs))
+    models = tuple(DesiredModel(f"m{m}", (Profile("p", "vllm", 1, rnd.choice([10, 20, 30, 40, 70]) * G),),
+                                Scaling(min=rnd.randint(1, 3)), priority=rnd.randint(1, 12))
+                   for m in range(rnd.randint(2, 7)))
+    return Snapshot(10_000.0, tuple(nodes), models)
+
+
+@PROPS
+@given(crowded())
+def test_the_packer_never_stacks_replicas_of_a_model_on_one_gpu(snap):
+    card = _cards(snap)
+    used: dict[str, set] = {}
+    for launch in schedule(snap).launches:
+        mine = {card[a] for a in launch.accelerators}
+        assert not mine & used.get(launch.model, set()), launch
+        used.setdefault(launch.model, set()).update(mine)

@@ -288,7 +288,9 @@ def test_a_limit_refuses_naming_the_scope_and_figure():
 def test_headroom_counts_on_a_copy_and_stops_at_a_limit():
     snap = Snapshot(NOW, (gpu_node("a"),), (model("m", gib=30),))
     room = headroom(snap, "m")
-    assert room["more"] == 7  # 8 slots of 30 GiB on 4×80 GiB, one taken by the pending launch
+    # 8 slots of 30 GiB on 4×80 GiB, but one replica of a model per GPU (spread): 4, one of them the
+    # pending launch; what stops the count says so.
+    assert room["more"] == 3 and room["blocked"].startswith("another replica would fit only on a GPU")
     contracts = (ScopeContract("acme", "org:acme", limit=Resources(gpus=3)),)
     snap = Snapshot(NOW, (gpu_node("a"),), (model("m", gib=30, owner="acme"),), (), contracts)
     room = headroom(snap, "m")

@@ -1,0 +1,86 @@
+"""Which verbs a deployment takes in the state it is in now, and why not: one rule, read by the
+console (the buttons it offers) and by a verb posted anyway (refused with the reason, nothing
+changed).
+
+A deployment speaks for its replicas (``states.summarise``), so its state says what its replicas
+can do: the rule follows the state sets of ``serving.models.states`` and the replicas' state
+machine (``states.ALLOWED``). The refusals say what the service's own refusals say.
+"""
+
+from __future__ import annotations
+
+from berth.errors import BerthError
+from serving.deployments.states import ALLOWED
+from serving.errors import DeploymentConflict, SleepNotSupported
+from serving.models import Deployment, DeploymentState as S
+from serving.models.states import BEFORE_START, PRECEDENCE, TERMINAL, UP
+
+VERBS = ("start", "stop", "sleep", "wake", "reconfigure", "remove")
+
+
+def _stops(state: str) -> bool:
+    """A stop moves an engine that runs (or may) to stopping, and cancels one not started yet."""
+    moves = ALLOWED.get(state, ())
+    return S.STOPPING in moves or (state in BEFORE_START and S.STOPPED in moves)
+
+
+def state_of(deployment: Deployment) -> str:
+    """The deployment's state as its replicas have it. Started again, an ended deployment has a
+    fresh replica its row does not speak for until the agent first moves that replica (``start``
+    places it without summarising): the live replica says where it stands meanwhile, so the
+    deployment is not offered a second start. Reads ``replica_set`` only for an ended one."""
+    if deployment.state in TERMINAL:
+        live = {r.state for r in deployment.replica_set.all() if r.state not in TERMINAL}
+        if live:
+            return next(s for s in PRECEDENCE if s in live)
+    return deployment.state
+
+
+def refusal(deployment: Deployment, verb: str) -> BerthError | None:
+    """Why ``verb`` cannot be done to ``deployment`` now (an error with its code), or None if it can."""
+    name, state = deployment.name, state_of(deployment)
+    if verb == "start":
+        if state in TERMINAL:
+            return None
+        return DeploymentConflict(f"{name} is {state}: only a stopped or failed deployment starts.",
+                                  details={"state": state, "verb": verb})
+    if verb == "stop":
+        if _stops(state):
+            return None
+        said = f"{name} is stopping already." if state == S.STOPPING else f"{name} is {state}: nothing runs to stop."
+        return DeploymentConflict(said, details={"state": state, "verb": verb})
+    if verb == "sleep":
+        if deployment.engine != Deployment.Engine.VLLM:
+            return SleepNotSupported(f"{deployment.get_engine_display()} cannot sleep: stop {name} to free its "
+                                     "memory (it loads again when started).", details={"engine": deployment.engine})
+        if S.SLEEPING in ALLOWED.get(state, ()):
+            return None
+        return DeploymentConflict(f"{name} is {state}: only a ready deployment sleeps.",
+                                  details={"state": state, "verb": verb})
+    if verb == "wake":
+        if state == S.SLEEPING:
+            return None
+        return DeploymentConflict(f"{name} is {state}: only a sleeping deployment wakes.",
+                                  details={"state": state, "verb": verb})
+    if verb == "reconfigure":
+        if state in UP:
+            return None
+        return DeploymentConflict(f"{name} is {state}: only a ready or sleeping deployment is reconfigured.",
+                                  details={"state": state, "verb": verb})
+    if verb == "remove":
+        if state in TERMINAL + (S.PLANNED,):  # nothing runs, nor will: its record may go
+            return None
+        return DeploymentConflict(f"{name} is {state}: stop it before removing it.",
+                                  details={"state": state, "verb": verb})
+    raise ValueError(f"unknown verb {verb!r}")
+
+
+def possible(deployment: Deployment) -> tuple[str, ...]:
+    """The verbs ``deployment`` takes now, in ``VERBS`` order."""
+    return tuple(verb for verb in VERBS if refusal(deployment, verb) is None)
+
+
+def require_possible(deployment: Deployment, verb: str) -> None:
+    error = refusal(deployment, verb)
+    if error is not None:
+        raise error
