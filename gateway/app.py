@@ -38,7 +38,7 @@ import orjson
 from django.conf import settings
 
 from berth.errors import BerthError
-from gateway import bodies, fleet_metrics, metrics, routes, splits
+from gateway import bodies, fleet_metrics, metrics, routes, splits, tracing
 from gateway.auth import AuthCache, Principal
 from gateway.errors import (
     ANTHROPIC_ERROR_TYPES,
@@ -117,7 +117,8 @@ class Call:
     __slots__ = ("receive", "send", "method", "path", "request_id", "rid_bytes", "started", "started_wall",
                  "authorization", "api_key", "content_length", "principal", "endpoint", "model_asked", "model_label",
                  "replica_id", "status", "error_code", "queue_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
-                 "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done")
+                 "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done",
+                 "traceparent", "span")
 
     def __init__(self, scope, receive, send):
         self.receive = receive
@@ -129,6 +130,7 @@ class Call:
         self.authorization = None
         self.api_key = None  # ``x-api-key``, as Anthropic's clients send the key
         self.content_length = None
+        self.traceparent = None  # the client's W3C trace context, continued (``gateway.tracing``)
         request_id = None
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -139,6 +141,8 @@ class Call:
                 request_id = value
             elif name == b"content-length":
                 self.content_length = value
+            elif name == b"traceparent":
+                self.traceparent = value.decode("latin-1")
         if request_id is not None:
             try:
                 request_id = request_id.decode("ascii")
@@ -148,6 +152,7 @@ class Call:
             request_id = "req_" + os.urandom(12).hex()
         self.request_id = request_id
         self.rid_bytes = request_id.encode()
+        self.span = tracing.NOT_RECORDING
         self.principal: Principal | None = None
         self.endpoint = ""
         self.model_asked = ""
@@ -274,6 +279,8 @@ class Gateway:
             self.queue_size = settings.GATEWAY_ADMISSION_QUEUE
             self.admission_timeout = settings.GATEWAY_ADMISSION_TIMEOUT
             self.recorder.start()
+            self.tracer = tracing.Tracer.from_environ()
+            self.tracer.begin()
             loop = asyncio.get_running_loop()
             # What this process changes itself (the console and the API run here; in the embedded
             # mode, everything does) reaches the caches at once, without Redis.
@@ -296,6 +303,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.recorder.stop()
+        await self.tracer.close()  # what is buffered is exported first
         await self.limiter.aclose()  # settlements sent, then its client closed
         await self.session.close()
         if self.redis is not None:
@@ -401,6 +409,10 @@ class Gateway:
         if not self.ready:
             await self.startup()
         call = Call(scope, receive, send)
+        if self.tracer.enabled:  # untraced, a request builds no span (``NOT_RECORDING`` from Call)
+            call.span = self.tracer.start(f"{call.method} {call.path}", call.traceparent,
+                                          **{"http.request.method": call.method, "url.path": call.path,
+                                             "berth.request_id": call.request_id})
         try:
             path = call.path
             if path in INFERENCE:
@@ -442,6 +454,8 @@ class Gateway:
             call.status = 500
         finally:
             self._record(call)
+            if call.span.recording:
+                self._end_span(call)
 
     @staticmethod
     def _allow_metrics(call: Call, scope) -> None:
@@ -463,8 +477,24 @@ class Gateway:
         raise MetricsNotAllowed("The metrics answer only this machine unless BERTH_METRICS_TOKEN is set: then "
                                 "send it as a bearer token.")
 
+    @staticmethod
+    def _end_span(call: Call) -> None:
+        span = call.span
+        for key, value in (("http.response.status_code", call.status), ("gen_ai.request.model", call.model_asked),
+                           ("gen_ai.response.model", call.model_label if call.model_label != "unknown" else None),
+                           ("berth.replica_id", call.replica_id), ("gen_ai.usage.input_tokens", call.prompt_tokens),
+                           ("gen_ai.usage.output_tokens", call.completion_tokens), ("error.type", call.error_code)):
+            span.set(key, value or None)
+        if call.status >= 500:
+            span.error(call.error_code or str(call.status))
+        span.end()
+
     async def _principal(self, call: Call) -> Principal:
         """The key's principal, from ``Authorization: Bearer`` or else ``x-api-key`` (any route)."""
+        with call.span.child("authenticate"):
+            return await self._authenticate(call)
+
+    async def _authenticate(self, call: Call) -> Principal:
         if call.authorization is not None:
             plaintext = credential_from_header(call.authorization.decode("latin-1"))
         elif call.api_key is not None and call.api_key.strip():
@@ -552,7 +582,8 @@ class Gateway:
         route = routes.narrowed(table, route, endpoint)  # so is a route the model's engine does not serve
         call.model_label = route.name
         try:
-            admission = await self.limiter.admit(principal.plan, call.request_id)
+            with call.span.child("limits"):
+                admission = await self.limiter.admit(principal.plan, call.request_id)
         except BerthError:
             raise
         except Exception as exc:  # Redis unreachable or stalled past its timeout: refuse rather than serve unlimited
@@ -564,7 +595,11 @@ class Gateway:
         watcher = None
         try:
             if not route.endpoints:
-                route = self._fallback(principal, table, route) or await self._admit_while_loading(call, route)
+                fallback = self._fallback(principal, table, route)
+                if fallback is None:
+                    with call.span.child("admission", **{"gen_ai.request.model": route.name}):
+                        fallback = await self._admit_while_loading(call, route)
+                route = fallback
                 call.model_label = route.name  # a fallback serves under its own name
                 output_cap = bodies.output_default(endpoint, payload, route)  # and within its own cap
                 if endpoint in routes.NEWER:  # and on the replicas (now ready) whose engine serves the route
@@ -680,12 +715,24 @@ class Gateway:
             call.replica_id = endpoint.replica_id
             headers = {"Authorization": "Bearer " + endpoint.key, "Content-Type": "application/json",
                        "X-Request-Id": call.request_id}
+            upstream = call.span
+            if upstream.recording:
+                upstream = upstream.child("upstream", tracing.CLIENT, **{
+                    "berth.replica_id": endpoint.replica_id, "berth.attempt": attempt,
+                    "url.full": endpoint.url + upstream_path})
+            # The engine hears the trace: this attempt as its parent, or, untraced here, the client's own.
+            traceparent = upstream.traceparent or (call.traceparent if tracing.parse_traceparent(call.traceparent)
+                                                   else None)
+            if traceparent:
+                headers["traceparent"] = traceparent
             self.balancer.begin(endpoint)
             try:
                 try:
                     response = await self.session.post(endpoint.url + upstream_path, data=body, headers=headers,
                                                        timeout=self.timeout)
+                    upstream.set("http.response.status_code", response.status)
                 except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as exc:
+                    upstream.error(f"unreachable: {exc.__class__.__name__}")
                     self.balancer.failed(endpoint)
                     tried = endpoint.replica_id
                     if attempt == 0 and self.balancer.available(route.endpoints, exclude=tried):
@@ -695,6 +742,7 @@ class Gateway:
                     raise UpstreamError(f"Could not reach a replica of {route.name}.",
                                         details={"model": route.name}) from None
                 except asyncio.TimeoutError:
+                    upstream.error("timeout")
                     raise UpstreamTimeout(f"{route.name} did not answer in time.") from None
                 self.balancer.succeeded(endpoint)
                 try:
@@ -709,6 +757,7 @@ class Gateway:
                         response.close()  # closes the engine's connection: it stops generating
             finally:
                 self.balancer.end(endpoint)
+                upstream.end()
             return
 
     async def _relay_whole(self, call: Call, response: aiohttp.ClientResponse) -> None:

@@ -23,6 +23,7 @@ from serving.control import routing
 from serving.keys import replica_key
 from tests.assets.database import database_environ
 from tests.assets.llama_server import LlamaServer, free_port
+from tests.assets.otlp_receiver import OtlpReceiver
 from tests.assets.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -130,6 +131,14 @@ def embedding_engine(llama_server_binary, tiny_model, artifacts_dir):
                      extra=("--embeddings", "--pooling", "mean"))
     yield types.SimpleNamespace(server=server, replica_id=replica_id)
     server.stop()
+
+
+@pytest.fixture
+def receiver():
+    """A trace collector's OTLP/HTTP endpoint on loopback (``tests.assets.otlp_receiver``)."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.stop()
 
 
 @pytest.fixture

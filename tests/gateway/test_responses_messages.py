@@ -6,8 +6,6 @@ outputs passed through untouched, and a route an engine does not serve refused w
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anthropic
 import httpx
@@ -18,6 +16,7 @@ from gateway.app import error_body, stream_error
 from gateway.errors import BudgetExceeded
 from serving import events
 from serving.models import Deployment, ModelEntry
+from tests.assets.recording_engine import RecordingEngine
 from tests.gateway.usage import record_of
 
 pytestmark = [pytest.mark.llama, pytest.mark.django_db(transaction=True)]
@@ -30,48 +29,6 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxL
 
 def claude(gateway, key, **options):
     return anthropic.Anthropic(api_key=key, base_url=gateway.base_url, max_retries=0, timeout=120, **options)
-
-
-class RecordingEngine:
-    """A loopback HTTP hop in front of a real engine that keeps what the gateway sent it and what the
-    engine answered, so a test can compare both ends. A path in ``missing`` is answered as an engine
-    without that route answers (FastAPI's 404)."""
-
-    def __init__(self, upstream: str, missing: tuple[str, ...] = ()):
-        self.calls: list[dict] = []
-        recorder = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                sent = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.path in missing:
-                    status, answer = 404, b'{"detail":"Not Found"}'
-                else:
-                    reply = httpx.post(upstream + self.path, content=sent, timeout=120,
-                                       headers={"Authorization": self.headers["Authorization"],
-                                                "Content-Type": "application/json"})
-                    status, answer = reply.status_code, reply.content
-                recorder.calls.append({"path": self.path, "body": json.loads(sent), "status": status,
-                                       "answer": answer})
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def last(self, path: str) -> dict:
-        return [call for call in self.calls if call["path"] == path][-1]
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture

@@ -60,7 +60,7 @@ def control_loop():
         return _check("control_loop", FAILED, f"its last pass cannot be read from the cache: {exc}",
                       "Start Redis (or fix REDIS_URL): the control loop records its passes there.")
     age, stale = detail.get("last_pass_age_s"), detail.get("stale_after_s")
-    holder = f"; the pass lock is held by {detail['holder']}" if detail.get("holder") else ""
+    holder = f"; the control loop's lease is held by {detail['holder']}" if detail.get("holder") else ""
     if status == "ok":
         return _check("control_loop", OK, f"last pass {age} s ago (stale after {stale} s){holder}")
     if status == "starting":
