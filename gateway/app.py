@@ -102,7 +102,7 @@ STREAMING = {"chat/completions", "completions", "responses", "messages"}
 ASKS_USAGE = {"chat/completions", "completions"}  # a stream tells its usage only when asked to
 COUNTING = {"responses/input_tokens", "messages/count_tokens"}  # count a prompt's tokens; run no model
 ANTHROPIC = {"messages", "messages/count_tokens"}  # answered in Anthropic's shapes, errors included
-ANTHROPIC_PATHS = {"/v1/messages", "/v1/messages/count_tokens"}
+ANTHROPIC_PATHS = {path for path, (endpoint, *_) in INFERENCE.items() if endpoint in ANTHROPIC}
 # What marks a stream's last event: a client that leaves after it left satisfied.
 STREAM_END = {"responses": b"event: response.completed", "messages": b"event: message_stop"}
 
@@ -267,7 +267,7 @@ class Gateway:
             self.timeout = aiohttp.ClientTimeout(total=settings.GATEWAY_TOTAL_TIMEOUT, sock_connect=10,
                                                  sock_read=settings.GATEWAY_FIRST_BYTE_TIMEOUT)
             self.auth = AuthCache(settings.GATEWAY_AUTH_CACHE_SECONDS)
-            self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db, loader=routes.load_table)
+            self.routing = routing.RoutingCache(settings.GATEWAY_ROUTING_TTL, run_db, loader=splits.load_table)
             lease = settings.GATEWAY_TOTAL_TIMEOUT + 60
             # Without Redis (the embedded mode, one process) the limits are kept in this process.
             self.limiter = (Limiter(limiter_redis, lease_seconds=lease) if self.redis is not None
@@ -579,7 +579,7 @@ class Gateway:
                                     details={"model": shown(model), "variant": shown(served)})
             raise ModelNotFound(f"The model {shown(model)!r} does not exist.", details={"model": shown(model)})
         output_cap = bodies.output_default(endpoint, payload, route)  # refused here, before any limit is spent
-        route = routes.narrowed(table, route, endpoint)  # so is a route the model's engine does not serve
+        route = routes.narrowed(route, endpoint)  # so is a route the model's engine does not serve
         call.model_label = route.name
         try:
             with call.span.child("limits"):
@@ -602,8 +602,7 @@ class Gateway:
                 route = fallback
                 call.model_label = route.name  # a fallback serves under its own name
                 output_cap = bodies.output_default(endpoint, payload, route)  # and within its own cap
-                if endpoint in routes.NEWER:  # and on the replicas (now ready) whose engine serves the route
-                    route = routes.narrowed(await self.routing.get(), route, endpoint)
+                route = routes.narrowed(route, endpoint)  # and on the replicas (now ready) serving the route
             changed = False
             if output_cap is not None:  # the request named no limit: the model's cap is its limit
                 payload[bodies.cap_field(endpoint)] = output_cap
@@ -749,7 +748,7 @@ class Gateway:
                     if call.stream and response.status == 200:
                         await self._relay_stream(call, response)
                     else:
-                        await self._relay_whole(call, response)
+                        await self._relay_whole(call, response, route)
                 finally:
                     if call.finished and not call.disconnected:
                         response.release()
@@ -760,7 +759,7 @@ class Gateway:
                 upstream.end()
             return
 
-    async def _relay_whole(self, call: Call, response: aiohttp.ClientResponse) -> None:
+    async def _relay_whole(self, call: Call, response: aiohttp.ClientResponse, route: routing.ModelRoute) -> None:
         try:
             data = await response.read()
         except asyncio.TimeoutError:
@@ -791,7 +790,7 @@ class Gateway:
                 return
             raise BerthError("The engine refused the request.", code="invalid_request", status=status)
         if status == 404:  # an engine (of a version not known to ``gateway.routes``) without this route
-            name = routes.engine_name(await self.routing.get(), call.replica_id) or "its engine"
+            name = routes.engine_name(route, call.replica_id) or "its engine"
             raise RouteNotServed(f"{call.model_label} runs on {name}, which does not serve {call.path}.",
                                  details={"model": call.model_label, "engine": [name], "endpoint": call.path})
         if status == 503:

@@ -25,6 +25,7 @@ class Endpoint:
     replica_id: str
     url: str  # http://host:port, no trailing slash
     key: str  # the per-replica engine key, sent as ``Authorization: Bearer``
+    engine: str = ""  # the engine kind it runs (``llamacpp``, ``vllm``): which API routes it serves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class ModelRoute:
     # The path of the scope whose model it is (its catalog entry's owner, else its deployments'): only
     # clients of that scope and below may call it, or see it listed. None: shared with every tenant.
     owner: str | None = None
+    # The engine kinds it runs on (its coming-up and up deployments'), or before any, its catalog
+    # profiles': a route none of them serves is refused before anything is loaded.
+    engines: frozenset[str] = frozenset()
 
     def admits(self, project_path: str) -> bool:
         """Whether a client of ``project_path`` may reach this model at all (before its own rules)."""
@@ -72,23 +76,30 @@ def load_table() -> RoutingTable:
     names: dict[str, dict] = {}
     for row in Deployment.objects.filter(state__in=LISTED).values("name", "task", "state", "engine", "config",
                                                                          "owner__path"):
-        entry = names.setdefault(row["name"], {"task": row["task"], "states": set(), "contexts": [], "owners": set()})
+        entry = names.setdefault(row["name"], {"task": row["task"], "states": set(), "contexts": [], "owners": set(),
+                                               "engines": set()})
         entry["states"].add(row["state"])
+        if row["state"] in LOADABLE:
+            entry["engines"].add(row["engine"])
         entry["contexts"].append(profiles.running_context(row["engine"], row["config"]))
         entry["owners"].add(row["owner__path"])
     endpoints: dict[str, list[Endpoint]] = {}
     ready = (Replica.objects.filter(state=DeploymentState.READY, deployment__state__in=LOADABLE)
-             .values_list("public_id", "port", "node__address", "deployment__name", "deployment__task"))
-    for public_id, port, address, name, task in ready:
-        endpoints.setdefault(name, []).append(Endpoint(str(public_id), _url(address, port), replica_key(public_id)))
-        names.setdefault(name, {"task": task, "states": {DeploymentState.READY}, "contexts": [], "owners": set()})
+             .values_list("public_id", "port", "node__address", "deployment__name", "deployment__task",
+                          "deployment__engine"))
+    for public_id, port, address, name, task, engine in ready:
+        endpoints.setdefault(name, []).append(Endpoint(str(public_id), _url(address, port), replica_key(public_id),
+                                                       engine))
+        names.setdefault(name, {"task": task, "states": {DeploymentState.READY}, "contexts": [], "owners": set(),
+                                "engines": {engine}})
     catalog = {row["name"]: row for row in ModelEntry.objects.values("name", "task", "aliases", "fallbacks",
                                                                      "max_output_tokens", "profiles", "owner__path")}
     for name, row in catalog.items():
         # A catalog model with no deployment is still routable: an on-demand one's first request loads
         # it; an always-on one never placed (or parked) is answered at once with why (``request_load``).
         if name not in names:
-            names[name] = {"task": row["task"], "states": {DeploymentState.STOPPED}, "contexts": [], "owners": set()}
+            names[name] = {"task": row["task"], "states": {DeploymentState.STOPPED}, "contexts": [], "owners": set(),
+                           "engines": set()}
     models = {}
     for name, entry in names.items():
         found = endpoints.get(name, [])
@@ -103,10 +114,11 @@ def load_table() -> RoutingTable:
         # (deployments of one name by several scopes, or by none, make it shared).
         owners = entry["owners"]
         owner = row["owner__path"] if row else (next(iter(owners)) if len(owners) == 1 else None)
+        engines = entry["engines"] or {profiles.engine(p) for p in row.get("profiles") or () if isinstance(p, dict)}
         models[name] = ModelRoute(name=name, task=entry["task"], state=str(state), endpoints=tuple(found),
                                   fallbacks=tuple(f for f in row.get("fallbacks") or () if f != name),
                                   max_output_tokens=row.get("max_output_tokens"), context=_longest(contexts),
-                                  owner=owner)
+                                  owner=owner, engines=frozenset(engines))
     for name, row in catalog.items():
         for alias in row["aliases"] or ():
             if name in models and alias not in models:
