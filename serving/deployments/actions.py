@@ -1,10 +1,10 @@
 """Which verbs a deployment takes in the state it is in now, and why not: one rule, read by the
 console (the buttons it offers) and by a verb posted anyway (refused with the reason, nothing
-changed).
+changed). The service's verbs refuse by it too, so the API and the console say the same.
 
 A deployment speaks for its replicas (``states.summarise``), so its state says what its replicas
 can do: the rule follows the state sets of ``serving.models.states`` and the replicas' state
-machine (``states.ALLOWED``). The refusals say what the service's own refusals say.
+machine (``states.ALLOWED``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from berth.errors import BerthError
 from serving.deployments.states import ALLOWED
 from serving.errors import DeploymentConflict, SleepNotSupported
 from serving.models import Deployment, DeploymentState as S
-from serving.models.states import BEFORE_START, PRECEDENCE, TERMINAL, UP
+from serving.models.states import BEFORE_START, TERMINAL, UP
 
 VERBS = ("start", "stop", "sleep", "wake", "reconfigure", "remove")
 
@@ -24,21 +24,9 @@ def _stops(state: str) -> bool:
     return S.STOPPING in moves or (state in BEFORE_START and S.STOPPED in moves)
 
 
-def state_of(deployment: Deployment) -> str:
-    """The deployment's state as its replicas have it. Started again, an ended deployment has a
-    fresh replica its row does not speak for until the agent first moves that replica (``start``
-    places it without summarising): the live replica says where it stands meanwhile, so the
-    deployment is not offered a second start. Reads ``replica_set`` only for an ended one."""
-    if deployment.state in TERMINAL:
-        live = {r.state for r in deployment.replica_set.all() if r.state not in TERMINAL}
-        if live:
-            return next(s for s in PRECEDENCE if s in live)
-    return deployment.state
-
-
 def refusal(deployment: Deployment, verb: str) -> BerthError | None:
     """Why ``verb`` cannot be done to ``deployment`` now (an error with its code), or None if it can."""
-    name, state = deployment.name, state_of(deployment)
+    name, state = deployment.name, deployment.state
     if verb == "start":
         if state in TERMINAL:
             return None

@@ -17,13 +17,13 @@ from scheduler.errors import InsufficientMemory, NotPlaceable
 from scheduler.models import Accelerator, Node
 from scheduler.policy.fit import Resident, plan_fit
 from serving import queues
-from serving.deployments import gate, ports, states
+from serving.deployments import actions, gate, ports, states
 from serving.deployments.request import DeployRequest
 from serving.deployments.states import holder_of, release
 from serving.engines.registry import engine_for, estimation_config
-from serving.errors import DeploymentConflict, InvalidDeployment, SleepNotSupported, WakeRefused
+from serving.errors import DeploymentConflict, InvalidDeployment, WakeRefused
 from serving.models import Deployment, DeploymentEvent, DeploymentState as S, Replica
-from serving.models.states import BEFORE_START, HOLDING, RESIDENT, SERVING, TERMINAL
+from serving.models.states import BEFORE_START, HOLDING, RESIDENT, SERVING
 from tenancy import access, audit
 from tenancy.audit import Actor
 from tenancy.services import contracts
@@ -188,14 +188,14 @@ def _place(actor: Actor, deployment: Deployment, accelerators: list[Accelerator]
 def start(actor: Actor, deployment: Deployment) -> Deployment:
     """Start a stopped or failed deployment again, with a fresh replica (and a fresh fit check)."""
     require(actor, "use", deployment)
-    if deployment.state not in TERMINAL:
-        raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a stopped or failed deployment starts.")
+    actions.require_possible(deployment, "start")
     accelerators = accelerators_of(deployment)
     with transaction.atomic():
         if Deployment.objects.filter(name=deployment.name, state__in=SERVING) \
                 .exclude(pk=deployment.pk).exists():
             raise DeploymentConflict(f"Another deployment serves {deployment.name!r} now; stop it first.")
         _place(actor, deployment, accelerators, "gpu" if accelerators else "cpu")
+        states.summarise(deployment)  # it speaks for its fresh replica from now on (planned)
         _changed(actor)
         audit.record(actor, "deployment.start", deployment, scope=deployment.owner, details={"name": deployment.name})
     return deployment
@@ -219,9 +219,7 @@ def stop(actor: Actor, deployment: Deployment) -> Deployment:
 def sleep(actor: Actor, deployment: Deployment) -> Deployment:
     """Put a ready deployment to sleep: its device memory is freed at once (never delayed by the gate)."""
     require(actor, "use", deployment)
-    if deployment.engine != Deployment.Engine.VLLM:
-        raise SleepNotSupported(f"{deployment.get_engine_display()} cannot sleep: stop {deployment.name} to free "
-                                "its memory (it loads again when started).")
+    actions.require_possible(deployment, "sleep")
     replicas = list(deployment.replica_set.filter(state=S.READY))
     if not replicas:
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a ready deployment sleeps.")
@@ -242,6 +240,7 @@ def wake(actor: Actor, deployment: Deployment, *, wait_seconds: float | None = N
     (``gate.wake_position``), for at most ``SERVING_WAKE_TIMEOUT_SECONDS`` in all. Refused with the
     agent's reason (``WakeRefused``) when the wake ended with it still asleep: its memory not free."""
     require(actor, "use", deployment)
+    actions.require_possible(deployment, "wake")
     replicas = list(deployment.replica_set.filter(state=S.SLEEPING))
     if not replicas:
         raise DeploymentConflict(f"{deployment.name} is {deployment.state}: only a sleeping deployment wakes.")
@@ -272,8 +271,7 @@ def wake(actor: Actor, deployment: Deployment, *, wait_seconds: float | None = N
 
 def remove(actor: Actor, deployment: Deployment) -> None:
     require(actor, "use", deployment)
-    if deployment.state not in TERMINAL + (S.PLANNED,):
-        raise DeploymentConflict(f"{deployment.name} is {deployment.state}: stop it before removing it.")
+    actions.require_possible(deployment, "remove")
     with transaction.atomic():
         _changed(actor)
         audit.record(actor, "deployment.remove", deployment, scope=deployment.owner, details={"name": deployment.name})

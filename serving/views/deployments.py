@@ -162,12 +162,9 @@ class DeploymentActionView(DeploymentMixin, ObjectAction):
         return super().done(deployment, result)
 
     def fragment(self, deployment, result, error=None):
-        if error is None and self.kwargs["verb"] == "remove":
-            response = HttpResponse(status=204)
-            response["HX-Redirect"] = reverse("serving:index")  # gone: htmx goes to the list
-            return response
-        fresh = self.get_queryset().filter(pk=deployment.pk).first()
-        if fresh is None:  # removed meanwhile by someone else
+        removed = error is None and self.kwargs["verb"] == "remove"
+        fresh = None if removed else self.get_queryset().filter(pk=deployment.pk).first()
+        if fresh is None:  # gone (removed now, or meanwhile by someone else): htmx goes to the list
             response = HttpResponse(status=204)
             response["HX-Redirect"] = reverse("serving:index")
             return response
