@@ -89,3 +89,9 @@ def _start_heartbeat(**_):
 @worker_shutdown.connect
 def _stop_heartbeat(**_):
     _stop.set()
+
+
+@worker_shutdown.connect
+def _hand_over_lease(**_):
+    if not node_name():  # a control worker stopping cleanly hands the loop's lease over at once
+        control_loop.hand_over()

@@ -117,6 +117,16 @@ def test_the_holder_renews_and_a_contender_is_refused_until_three_passes_are_mis
     assert lease.claim(lease.CONTROL_LOOP, "host-a:1", 45)[0]  # given up: taken at once
 
 
+def test_a_worker_stopping_cleanly_hands_the_lease_over_at_once():
+    from serving import tasks
+
+    assert reconcile.lead()  # this process holds it
+    tasks._hand_over_lease()  # what a control worker's worker_shutdown signal runs
+    held = lease.read(lease.CONTROL_LOOP)
+    assert held.holder == lease.identity() and held.expired
+    assert lease.claim(lease.CONTROL_LOOP, "host-b:2", 45)[0]  # taken at once, not three passes later
+
+
 def test_a_pass_in_another_process_takes_the_lease_and_this_one_skips_saying_so(client, caplog):
     """A second process is a contender: its pass is skipped, the log names the holder, the loop's
     last pass is not marked by it; once the lease expires it takes over, and /readyz and /metrics
