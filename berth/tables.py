@@ -21,6 +21,7 @@ class Column:
     link: Callable[[Any], str | None] | None = None
     numeric: bool = False  # right-aligned, tabular figures
     empty: str = "—"  # shown for an absent value (unknown is not zero)
+    action: str = ""  # names what a link does (``data-action``), for a link that acts rather than shows
 
     def read(self, row: Any) -> Any:
         if callable(self.value):
@@ -39,6 +40,7 @@ class Cell:
     href: str | None
     numeric: bool
     absent: bool
+    action: str = ""
 
 
 class Table:
@@ -63,4 +65,4 @@ class Table:
         absent = value is None or value == ""
         text = column.empty if absent else str(value)
         href = column.link(row) if column.link and not absent else None
-        return Cell(text=text, href=href, numeric=column.numeric, absent=absent)
+        return Cell(text=text, href=href, numeric=column.numeric, absent=absent, action=column.action)

@@ -119,18 +119,22 @@ class PlacementDecisionSerializer(serializers.ModelSerializer):
                   "created_at"]
 
 
+MAX_GIB = 1 << 20
+
+
 class PolicyProfileSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=64)
     engine = serializers.ChoiceField(choices=["llamacpp", "vllm"], default="vllm")
     gpus = serializers.IntegerField(min_value=0, max_value=64, default=1)
-    memory_gib = serializers.FloatField(min_value=0)
+    # Bounded (a pebibyte) so that GiB → bytes stays a number: 1e308 GiB is no size.
+    memory_gib = serializers.FloatField(min_value=0, max_value=MAX_GIB)
     cpu_cores = serializers.IntegerField(min_value=0, default=0)
     accelerator_class = serializers.ListField(child=serializers.CharField(max_length=128), required=False,
                                               default=list, help_text="Classes any of which it may run on; "
                                                                       "empty: any. One class may be given as a text.")
     node_selector = serializers.DictField(child=serializers.CharField(allow_blank=True), required=False, default=dict)
     allow_mig = serializers.BooleanField(default=True)
-    min_disk_gib = serializers.FloatField(min_value=0, default=0)
+    min_disk_gib = serializers.FloatField(min_value=0, max_value=MAX_GIB, default=0)
     priority = serializers.IntegerField(default=0)
 
     def to_internal_value(self, data):

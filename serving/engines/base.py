@@ -11,6 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Protocol
 
+from serving.engines.options import Option
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
@@ -55,6 +57,8 @@ def translated(config: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 class Engine(Protocol):
     kind: str
+    label: str  # as people write it: "llama.cpp", "vLLM"
+    options: dict[str, Option]  # its configuration keys (``serving.engines.options``)
     # The catalog's profile settings ("context", "parallel") → this engine's configuration keys.
     catalog_keys: dict[str, str]
     default_slots: int  # requests one replica takes at once when the configuration does not say

@@ -91,6 +91,8 @@ def supports_flag(binary: str, flag: str) -> bool:
 
 class LlamaCpp:
     kind = "llamacpp"
+    label = "llama.cpp"
+    options = OPTIONS
     catalog_keys = {"context": "context", "parallel": "parallel"}
     default_slots = 1
     default_context = 4096

@@ -93,6 +93,8 @@ def gpu_memory_fraction(reservation_bytes: int | None, total_bytes: int | None) 
 
 class VLLM:
     kind = "vllm"
+    label = "vLLM"
+    options = OPTIONS
     catalog_keys = {"context": "max_model_len", "parallel": "max_num_seqs"}
     default_slots = 256
     default_context = None  # the model's own length

@@ -61,6 +61,15 @@ def _scaling(entry):
     return " · ".join([f"{entry.scaling_min}–{entry.scaling_max}", kind] + (["pinned"] if entry.pinned else []))
 
 
+def _deployable(entry):
+    """``Deploy`` where the wizard can start from it: a profile and files the mirror verified."""
+    return "Deploy" if entry.profiles and _verified(entry) == "verified" else None
+
+
+def _deploy_link(entry):
+    return f"{reverse('serving:deploy')}?{urlencode({'model': str(entry.public_id)})}"
+
+
 class HeldTable(Table):
     columns = (
         Column("Model", "name", link=lambda e: reverse("serving:catalog-card", args=[e.public_id])),
@@ -75,6 +84,7 @@ class HeldTable(Table):
         Column("Placement", _scaling),
         Column("Source", lambda e: e.source_repo or e.source_package or e.source_path),
         Column("Owner", lambda e: e.owner.written if e.owner else "shared"),
+        Column("Actions", _deployable, link=_deploy_link, action="deploy"),
     )
     empty_message = "The mirror holds no model yet. Fetch one from the hub on the Fetch tab, or serve one in one step there."
 

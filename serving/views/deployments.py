@@ -220,10 +220,14 @@ class DeployView(LoginRequiredMixin, View):
     """The wizard: the preview runs as one types (debounced); only Deploy changes anything."""
 
     def get(self, request):
-        return render_page(request, "serving/deploy.html", "serving/deploy.html", {"form": DeployForm()})
+        """Blank, or filled in for ``?model=<held model's id>`` (and ``&profile=``)."""
+        chosen = request.GET.get("model", "").strip()
+        form = DeployForm.for_entry(request.user, chosen, request.GET.get("profile", "").strip()) if chosen \
+            else DeployForm(user=request.user)
+        return render_page(request, "serving/deploy.html", "serving/deploy.html", {"form": form})
 
     def post(self, request):
-        form = DeployForm(request.POST)
+        form = DeployForm(request.POST, user=request.user)
         if form.is_valid():
             try:
                 if form.cleaned_data.get("actions"):
@@ -234,7 +238,7 @@ class DeployView(LoginRequiredMixin, View):
                     return redirect("serving:index")
                 deployment = service.deploy(Actor.from_request(request), _request(request, form))
             except BerthError as error:
-                form.add_error(None, error.message)
+                form.place_problems(error)
                 return render_page(request, "serving/deploy.html", "serving/deploy.html",
                                    {"form": form, "refusal": error}, status=error.status)
             messages.success(request, f"{deployment.name} is deploying on {deployment.node.name}.")
@@ -244,7 +248,7 @@ class DeployView(LoginRequiredMixin, View):
 
 class PreviewView(LoginRequiredMixin, View):
     def post(self, request):
-        form = DeployForm(request.POST)
+        form = DeployForm(request.POST, user=request.user)
         context = {"form": form}
         if form.is_valid():
             try:
@@ -265,7 +269,9 @@ def _request(request, form) -> service.DeployRequest:
         owner = resolve_scope(data["owner"], access.visible_to(request.user, Scope.objects.all(), ""))
     return service.DeployRequest(name=data["name"], model_path=data["model_path"], node=data["node"],
                                  engine=data["engine"], runtime=data["runtime"], task=data["task"],
-                                 config=form.engine_config(), owner=owner, priority=data["priority"])
+                                 config=form.engine_config(), owner=owner, priority=data["priority"],
+                                 accelerator=data["accelerator"],
+                                 profile=(data.get("profile") or "") if form.entry is not None else "")
 
 
 async def deployment_stream(request, public_id):
