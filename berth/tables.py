@@ -22,6 +22,14 @@ class Column:
     numeric: bool = False  # right-aligned, tabular figures
     empty: str = "—"  # shown for an absent value (unknown is not zero)
     action: str = ""  # names what a link does (``data-action``), for a link that acts rather than shows
+    # What the browser sorts the column by when its header is clicked (static/berth/sort.js): by
+    # default the cell's own value (numbers as numbers); an accessor where the text is a formatted
+    # figure ("1.2 GB", "3 minutes"); False for a column it makes no sense to sort.
+    sort: Accessor | bool = True
+
+    @property
+    def sortable(self) -> bool:
+        return self.sort is not False
 
     def read(self, row: Any) -> Any:
         if callable(self.value):
@@ -41,6 +49,7 @@ class Cell:
     numeric: bool
     absent: bool
     action: str = ""
+    sort: str = ""  # the key the browser sorts by, where it is not the text itself
 
 
 class Table:
@@ -65,4 +74,19 @@ class Table:
         absent = value is None or value == ""
         text = column.empty if absent else str(value)
         href = column.link(row) if column.link and not absent else None
-        return Cell(text=text, href=href, numeric=column.numeric, absent=absent, action=column.action)
+        return Cell(text=text, href=href, numeric=column.numeric, absent=absent, action=column.action,
+                    sort=Table._sort_key(column, row, value, text))
+
+    @staticmethod
+    def _sort_key(column: Column, row: Any, value: Any, text: str) -> str:
+        """The cell's sort key when the text would sort wrongly: a raw number, or the column's own
+        accessor's value ("" where the text does: the browser sorts by the text)."""
+        if not column.sortable:
+            return ""
+        if column.sort is True:
+            key = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        else:
+            key = Column(column.header, column.sort).read(row)
+        if key is None:
+            return ""
+        return str(key.timestamp()) if hasattr(key, "timestamp") else str(key)

@@ -34,8 +34,8 @@ class NodeTable(Table):
         Column("State", lambda n: n.get_state_display()),
         Column("Address", "address"),
         Column("CPUs", "cpu_count", numeric=True),
-        Column("Memory", _bytes("memory_total_bytes"), numeric=True),
-        Column("Available", _bytes("memory_available_bytes"), numeric=True),
+        Column("Memory", _bytes("memory_total_bytes"), numeric=True, sort="memory_total_bytes"),
+        Column("Available", _bytes("memory_available_bytes"), numeric=True, sort="memory_available_bytes"),
         Column("GPUs", _gpus),
         Column("Engines", _engines),
         Column("Agent", "agent_version"),
@@ -116,7 +116,7 @@ class ParkedModelTable(Table):
         Column("In a row", "consecutive", numeric=True),
         Column("Level", lambda p: _LEVELS.get(p["level"]) if p["level"] else None),
         Column("Why", "detail"),
-        Column("Parked", lambda p: _ago(p["since"])),
+        Column("Parked", lambda p: _ago(p["since"]), sort=lambda p: p["since"]),
         Column("Last retried", lambda p: f"{_ago(p['retried_at'])} by {p['retried_by']}" if p["retried_at"] else None),
     )
     empty_message = "No parked model."
@@ -130,6 +130,6 @@ class UnplaceableModelTable(Table):
         Column("Model", "model"),
         Column("Why", "detail"),
         Column("Reasons", lambda u: ", ".join(u["reason_codes"])),
-        Column("Decided", lambda u: _ago(u["created_at"])),
+        Column("Decided", lambda u: _ago(u["created_at"]), sort=lambda u: u["created_at"]),
     )
     empty_message = "Every model fits."

@@ -215,10 +215,10 @@ class CredentialTable(RecordTable):
         Column("Key", "prefix"),
         Column("Name", "name"),
         Column("State", key_state),
-        Column("Created", lambda c: _when(c.created_at)),
+        Column("Created", lambda c: _when(c.created_at), sort="created_at"),
         Column("Created by", "created_by.username"),
-        Column("Expires", lambda c: _when(c.expires_at)),
-        Column("Last used", lambda c: _ago(c.last_used_at)),
+        Column("Expires", lambda c: _when(c.expires_at), sort="expires_at"),
+        Column("Last used", lambda c: _ago(c.last_used_at), sort="last_used_at"),
         Column("Replaces", "replaces.prefix"),
     )
     extra_headers = ("",)

@@ -31,3 +31,20 @@ def test_empty_table_keeps_its_headers_and_says_why():
     table = PeopleTable([], empty_message="Nobody yet.")
     assert len(table.visible_columns) == 3
     assert table.empty_message == "Nobody yet."
+
+
+class SizedTable(Table):
+    columns = (
+        Column("Name", "name"),
+        Column("Size", lambda row: f"{row.size} bytes" if row.size else None, numeric=True, sort="size"),
+        Column("GPUs", "gpus", numeric=True),
+        Column("Actions", lambda row: "Deploy", sort=False),
+    )
+
+
+def test_a_cell_sorts_by_its_raw_figure_where_its_text_would_sort_wrongly():
+    table = SizedTable([SimpleNamespace(name="a", size=900, gpus=2), SimpleNamespace(name="b", size=None, gpus=None)])
+    name, size, gpus, actions = table.lines[0]
+    assert (name.sort, size.sort, gpus.sort, actions.sort) == ("", "900", "2", "")  # the text "a" sorts as it is
+    assert table.lines[1][1].sort == "" and table.lines[1][1].absent  # absent: sorted last by the browser
+    assert [c.sortable for c in table.visible_columns] == [True, True, True, False]

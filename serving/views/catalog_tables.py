@@ -9,8 +9,12 @@ from serving.models import DeploymentState as S
 from serving.models.states import TERMINAL
 
 
+def _bytes(entry):
+    return sum(f.size or 0 for f in entry.files.all()) or None
+
+
 def _size(entry):
-    total = sum(f.size or 0 for f in entry.files.all())
+    total = _bytes(entry)
     return filesizeformat(total) if total else None
 
 
@@ -75,7 +79,7 @@ class HeldTable(Table):
         Column("Model", "name", link=lambda e: reverse("serving:catalog-card", args=[e.public_id])),
         Column("Task", lambda e: e.get_task_display()),
         Column("Format", lambda e: f"{e.get_format_display()} {e.quantisation}".strip()),
-        Column("Size", _size, numeric=True),
+        Column("Size", _size, numeric=True, sort=_bytes),
         Column("Files", _verified),
         Column("Replicas", _replicas),
         Column("Deployments", _deployments, link=_deployments_link),
@@ -84,7 +88,7 @@ class HeldTable(Table):
         Column("Placement", _scaling),
         Column("Source", lambda e: e.source_repo or e.source_package or e.source_path),
         Column("Owner", lambda e: e.owner.written if e.owner else "shared"),
-        Column("Actions", _deployable, link=_deploy_link, action="deploy"),
+        Column("Actions", _deployable, link=_deploy_link, action="deploy", sort=False),
     )
     empty_message = "The mirror holds no model yet. Fetch one from the hub on the Fetch tab, or serve one in one step there."
 
@@ -94,8 +98,8 @@ class FetchJobTable(Table):
         Column("Repository", "repo", link=lambda j: reverse("serving:catalog-job", args=[j.public_id])),
         Column("Commit", lambda j: j.commit[:8]),
         Column("Status", lambda j: j.get_status_display()),
-        Column("Progress", lambda j: f"{j.percent}%" if j.percent is not None else None, numeric=True),
-        Column("Size", lambda j: filesizeformat(j.total_bytes) if j.total_bytes else None, numeric=True),
+        Column("Progress", lambda j: f"{j.percent}%" if j.percent is not None else None, numeric=True, sort="percent"),
+        Column("Size", lambda j: filesizeformat(j.total_bytes) if j.total_bytes else None, numeric=True, sort="total_bytes"),
         Column("Error", "error"),
     )
     empty_message = "No fetch yet."
@@ -104,7 +108,7 @@ class FetchJobTable(Table):
 class FileTable(Table):
     columns = (
         Column("File", "repo_path"),
-        Column("Size", lambda f: filesizeformat(f.size) if f.size else None, numeric=True),
+        Column("Size", lambda f: filesizeformat(f.size) if f.size else None, numeric=True, sort="size"),
         Column("SHA-256", lambda f: f.sha256[:16]),
         Column("Verified", lambda f: "quarantined" if f.quarantined else ("yes" if f.verified else "no")),
         Column("Node", lambda f: f.node.name if f.node else "control plane"),

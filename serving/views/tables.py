@@ -17,9 +17,12 @@ def _bytes(value):
     return None if not value else filesizeformat(value)
 
 
+def _peak(deployment):
+    return max((r.peak_memory_bytes for r in deployment.replica_set.all() if r.peak_memory_bytes), default=None)
+
+
 def _measured(deployment):
-    peaks = [r.peak_memory_bytes for r in deployment.replica_set.all() if r.peak_memory_bytes]
-    return _bytes(max(peaks)) if peaks else None
+    return _bytes(_peak(deployment))
 
 
 class DeploymentTable(Table):
@@ -30,10 +33,10 @@ class DeploymentTable(Table):
         Column("Node", "node.name"),
         Column("GPU", lambda d: ", ".join(d.gpu_uuids)),
         Column("State", _state),
-        Column("Reserved", lambda d: _bytes(d.memory_reserved_bytes), numeric=True),
-        Column("Measured", _measured, numeric=True),
+        Column("Reserved", lambda d: _bytes(d.memory_reserved_bytes), numeric=True, sort="memory_reserved_bytes"),
+        Column("Measured", _measured, numeric=True, sort=_peak),
         Column("Owner", lambda d: d.owner.written if d.owner else None),
-        Column("Age", lambda d: timesince(d.created_at)),
+        Column("Age", lambda d: timesince(d.created_at), sort=lambda d: -d.created_at.timestamp()),
     )
     empty_message = "No deployments yet. Deploy a model to see it here."
 
