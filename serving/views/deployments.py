@@ -10,6 +10,7 @@ from django.contrib.auth.mixins import LoginRequiredMixin
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
+from django.utils import timezone
 from django.views import View
 
 from berth.errors import BerthError, InvalidInput
@@ -22,6 +23,7 @@ from serving.models.states import SETTLED, TERMINAL
 from serving.views.forms import DeployForm
 from serving.views.live import deployment_events
 from serving.views.tables import DeploymentTable, EventTable, OperationTable
+from serving.views.timeline import timeline
 from tenancy import access
 from tenancy.audit import Actor
 from tenancy.console import ConsolePage, ObjectAction, filtered
@@ -110,6 +112,7 @@ def deployment_context(request, deployment) -> dict:
     events = list(deployment.events.all())
     operations = Operation.objects.filter(source=deployment) | Operation.objects.filter(target=deployment)
     return {"deployment": deployment, "events": EventTable(reversed(events)),
+            "timeline": timeline(deployment, events, timezone.now()),
             "operations": OperationTable(operations.distinct()),
             "log_tail": next((e.log_tail for e in reversed(events) if e.log_tail), ""),
             "settled": deployment.state in SETTLED, "live_events": bool(settings.REDIS_URL),
