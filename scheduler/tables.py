@@ -93,7 +93,7 @@ class AcceleratorTable(Table):
         Column("Placement", lambda a: "placeable" if a.placeable else a.unplaceable_reason),
         Column("UUID", "uuid"),
     )
-    empty_message = "No GPUs."
+    empty_message = "No GPUs: a node's agent reports the GPUs it finds (NVML) when it starts and with every heartbeat."
 
     def with_bars(self):
         return [(memory_bar(row), line) for row, line in zip(self.rows, self.lines)]

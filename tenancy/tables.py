@@ -196,7 +196,7 @@ class ClientTable(RecordTable):
         Column("Description", "description"),
     )
     row_prefix = "client"
-    empty_message = "No service clients you can see."
+    empty_message = "No service clients you can see. A project's members create one (New service client) to give a program its own keys."
 
 
 def key_state(credential) -> str:
@@ -225,7 +225,7 @@ class CredentialTable(RecordTable):
     extra_template = "tenancy/cells/key_actions.html"
     row_permission = "use"
     row_prefix = "key"
-    empty_message = "No keys yet."
+    empty_message = "No keys yet. A member of its project creates one (Create key); its secret is shown once."
 
     def __init__(self, rows, caller=None, **context):
         super().__init__(rows, caller=caller, **context)

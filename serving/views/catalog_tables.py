@@ -102,7 +102,7 @@ class FetchJobTable(Table):
         Column("Size", lambda j: filesizeformat(j.total_bytes) if j.total_bytes else None, numeric=True, sort="total_bytes"),
         Column("Error", "error"),
     )
-    empty_message = "No fetch yet."
+    empty_message = "No fetch yet: the Fetch tab downloads a model from the hub into the mirror."
 
 
 class FileTable(Table):

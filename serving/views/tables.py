@@ -38,7 +38,7 @@ class DeploymentTable(Table):
         Column("Owner", lambda d: d.owner.written if d.owner else None),
         Column("Age", lambda d: timesince(d.created_at), sort=lambda d: -d.created_at.timestamp()),
     )
-    empty_message = "No deployments yet. Deploy a model to see it here."
+    empty_message = "No deployments yet: deploy a model the mirror holds from Models → Catalog (its Deploy link), or with Deploy a model above."
 
 
 class EventTable(Table):
