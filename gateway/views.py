@@ -124,6 +124,14 @@ def _playground_key(request, client) -> str:
     return plaintext
 
 
+def _forget_playground_key(request, client) -> None:
+    """The gateway refused the kept key (revoked, or its client's keys rotated away): the next send
+    mints a new one rather than failing until the old one would have expired."""
+    kept = dict(request.session.get(_SESSION_KEYS, {}))
+    if kept.pop(str(client.public_id), None) is not None:
+        request.session[_SESSION_KEYS] = kept
+
+
 def _gateway_url(request) -> str:
     return (getattr(settings, "GATEWAY_INTERNAL_URL", "") or request.build_absolute_uri("/")).rstrip("/")
 
@@ -204,6 +212,9 @@ class PlaygroundView(LoginRequiredMixin, View):
                 result = {"ok": False, "error": f"No key could be made for {client.name}: {error.message}"}
             else:
                 result = send_playground_request(_gateway_url(request), key, kind, model, text)
+                if result.get("status") == 401:
+                    _forget_playground_key(request, client)
+                    result["note"] = "The playground's key was refused; the next request makes it a new one."
         result.setdefault("client", client.name if client else "")
         context = {"result": result, "chosen": data}
         if not wants_fragment(request):  # without JavaScript: the whole page, with the result

@@ -28,6 +28,16 @@ def offered(kind: str) -> dict[str, Option]:
     return {key: option for key, option in engine.options.items() if key not in common}
 
 
+# Words of option keys as people write them ("gpu_layers" → "GPU layers").
+WORDS = {"gpu": "GPU", "cpu": "CPU", "gb": "GB", "kv": "KV", "k": "K", "v": "V", "attn": "attention",
+         "ubatch": "micro-batch", "dtype": "data type"}
+
+
+def label(key: str) -> str:
+    words = [WORDS.get(word, word) for word in key.split("_")]
+    return " ".join(words)[:1].upper() + " ".join(words)[1:]
+
+
 def _field(option: Option) -> forms.Field:
     label_help = {"required": False, "help_text": option.help}
     if option.type is bool:
@@ -46,7 +56,7 @@ def fields() -> dict[str, forms.Field]:
     for kind in ENGINES:
         for key, option in offered(kind).items():
             field = _field(option)
-            field.label = key.replace("_", " ")
+            field.label = label(key)
             made[field_name(kind, key)] = field
     return made
 
@@ -88,6 +98,11 @@ def initial(kind: str, config: dict[str, Any]) -> dict[str, str]:
 
 
 def groups(form) -> list[dict[str, Any]]:
-    """The settings of each engine as the template shows them: one fieldset per engine."""
-    return [{"kind": kind, "label": engine_for(kind).label,
-             "fields": [form[field_name(kind, key)] for key in offered(kind)]} for kind in ENGINES]
+    """The settings of each engine as the template shows them: one fieldset per engine, open where
+    one of them is set or refused (closed, the defaults speak for themselves)."""
+    shown = []
+    for kind in ENGINES:
+        fields = [form[field_name(kind, key)] for key in offered(kind)]
+        shown.append({"kind": kind, "label": engine_for(kind).label, "fields": fields,
+                      "open": any(f.errors or f.value() not in (None, "") for f in fields)})
+    return shown
