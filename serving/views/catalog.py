@@ -15,7 +15,7 @@ from serving.catalog.errors import HubUnreachable
 from serving.control import serve_model as serve
 from serving.models import FetchJob, ModelEntry, ProfileSpeed
 from serving.models.states import LOADABLE
-from serving.views.catalog_tables import FetchJobTable, FileTable, HeldTable
+from serving.views.catalog_tables import FetchJobTable, FileTable, HeldTable, deployable
 from tenancy import access
 from tenancy.audit import Actor
 from tenancy.console import ConsolePage
@@ -87,6 +87,7 @@ class ModelCardView(EntryMixin, ConsolePage):
                  "slots": profiles.slots(p), "priority": p.get("priority"), "speed": speeds.get(p.get("name"))}
                 for p in entry.profiles or []]
         context.update(entry=entry, files=FileTable(files), verdict=verdict, tab="held", profiles=ways,
+                       deployable=bool(deployable(entry)),
                        replicas=[(d, r) for d in entry.deployments for r in d.replica_set.all() if r.state in LOADABLE],
                        room=room.room_for_more(entry), where=entry.placement,
                        values=kwargs.get("values") or placement_values(entry), problems=kwargs.get("problems") or {},

@@ -65,9 +65,11 @@ def _scaling(entry):
     return " · ".join([f"{entry.scaling_min}–{entry.scaling_max}", kind] + (["pinned"] if entry.pinned else []))
 
 
-def _deployable(entry):
-    """``Deploy`` where the wizard can start from it: a profile and files the mirror verified."""
-    return "Deploy" if entry.profiles and _verified(entry) == "verified" else None
+def deployable(entry):
+    """``Deploy`` where the wizard can start from it: a profile, files the mirror verified, and no
+    deployment serving its name yet (a second would be refused; placement adds replicas)."""
+    serving = any(d.name == entry.name and d.state not in TERMINAL for d in entry.deployments)
+    return "Deploy" if entry.profiles and _verified(entry) == "verified" and not serving else None
 
 
 def _deploy_link(entry):
@@ -88,7 +90,7 @@ class HeldTable(Table):
         Column("Placement", _scaling),
         Column("Source", lambda e: e.source_repo or e.source_package or e.source_path),
         Column("Owner", lambda e: e.owner.written if e.owner else "shared"),
-        Column("Actions", _deployable, link=_deploy_link, action="deploy", sort=False),
+        Column("Actions", deployable, link=_deploy_link, action="deploy", sort=False),
     )
     empty_message = "The mirror holds no model yet. Fetch one from the hub on the Fetch tab, or serve one in one step there."
 
