@@ -310,6 +310,9 @@ GATEWAY_TOTAL_TIMEOUT = env.integer("BERTH_GATEWAY_TOTAL_TIMEOUT", 900, minimum=
 # A replica whose connections fail this many times in a row leaves routing for the cool-down.
 GATEWAY_BREAKER_FAILURES = env.integer("BERTH_GATEWAY_BREAKER_FAILURES", 3, minimum=1)
 GATEWAY_BREAKER_SECONDS = env.integer("BERTH_GATEWAY_BREAKER_SECONDS", 30, minimum=1)
+# A request to a scope under a hard token budget that names no output limit, on a model without a
+# catalog cap, may produce this many tokens at most: what its admission reserves (and it is sent).
+GATEWAY_BUDGET_OUTPUT_TOKENS = env.integer("BERTH_GATEWAY_BUDGET_OUTPUT_TOKENS", 4096, minimum=1, maximum=1 << 20)
 # Usage records are written in batches: every this many milliseconds, or at this many records.
 GATEWAY_USAGE_FLUSH_MS = env.integer("BERTH_GATEWAY_USAGE_FLUSH_MS", 1000, minimum=10)
 GATEWAY_USAGE_BATCH = env.integer("BERTH_GATEWAY_USAGE_BATCH", 500, minimum=1)

@@ -278,6 +278,7 @@ class Gateway:
             self.max_body = settings.GATEWAY_MAX_BODY_BYTES
             self.queue_size = settings.GATEWAY_ADMISSION_QUEUE
             self.admission_timeout = settings.GATEWAY_ADMISSION_TIMEOUT
+            self.budget_output = settings.GATEWAY_BUDGET_OUTPUT_TOKENS
             self.recorder.start()
             self.tracer = tracing.Tracer.from_environ()
             self.tracer.begin()
@@ -581,9 +582,14 @@ class Gateway:
         output_cap = bodies.output_default(endpoint, payload, route)  # refused here, before any limit is spent
         route = routes.narrowed(route, endpoint)  # so is a route the model's engine does not serve
         call.model_label = route.name
+        # Under a hard budget, what it may cost at most is held until it settles (no overshoot in flight);
+        # counting a prompt's tokens costs none (refused only once the budget is used up).
+        reserve, reserved_output = bodies.reservation(endpoint, payload, len(body), output_cap, route,
+                                                      self.budget_output) \
+            if principal.plan.reserves and endpoint not in COUNTING else (0, None)
         try:
             with call.span.child("limits"):
-                admission = await self.limiter.admit(principal.plan, call.request_id)
+                admission = await self.limiter.admit(principal.plan, call.request_id, reserve)
         except BerthError:
             raise
         except Exception as exc:  # Redis unreachable or stalled past its timeout: refuse rather than serve unlimited
@@ -603,6 +609,8 @@ class Gateway:
                 call.model_label = route.name  # a fallback serves under its own name
                 output_cap = bodies.output_default(endpoint, payload, route)  # and within its own cap
                 route = routes.narrowed(route, endpoint)  # and on the replicas (now ready) serving the route
+            if reserved_output is not None:  # asked for no limit: at most what was reserved, whatever serves it
+                output_cap = reserved_output if output_cap is None else min(output_cap, reserved_output)
             changed = False
             if output_cap is not None:  # the request named no limit: the model's cap is its limit
                 payload[bodies.cap_field(endpoint)] = output_cap
@@ -621,7 +629,7 @@ class Gateway:
             if watcher is not None:
                 watcher.cancel()
             tokens = (call.prompt_tokens or 0) + (call.completion_tokens or 0)
-            self.limiter.settle(principal.plan, call.request_id, tokens)
+            self.limiter.settle(principal.plan, call.request_id, tokens, reserve)
 
     @staticmethod
     def _resolve(table: routing.RoutingTable, model: str, principal: Principal) -> str:

@@ -138,3 +138,31 @@ def output_default(endpoint: str, payload: dict, route) -> int | None:
                                f"ask for {context} or fewer.", param=field,
                                details={"model": route.name, "context": context, "asked": value})
     return cap if cap is not None and not asked else None
+
+
+# A prompt's tokens before the engine has counted them, for a budget reservation, at most: no
+# tokenizer makes more than one token of a byte (byte fallback is the worst case), and the body's
+# bytes are at least its text's; plus what a chat template may add beyond the messages' own bytes
+# (a default system prompt). Generous for English (about four bytes a token), never short.
+TEMPLATE_TOKENS = 64
+
+
+def reservation(endpoint: str, payload: dict, size: int, output_cap: int | None, route,
+                default_output: int) -> tuple[int, int | None]:
+    """What the request may cost at most, reserved against a hard token budget at admission: its
+    prompt (bounded by the body's ``size`` in bytes) and the output it may produce, times its choices.
+
+    A request that names an output limit is reserved at it; one that names none at the model's cap
+    (``output_cap``), else at ``default_output`` within the model's context. For a request that
+    named none, that output is returned second: it is sent as its limit, so that no engine (a
+    fallback's included) produces more than was reserved."""
+    prompt = size + TEMPLATE_TOKENS
+    if endpoint not in GENERATING:
+        return prompt, None
+    asked = next((payload[field] for field in OUTPUT_FIELDS_OF[endpoint] if payload.get(field) is not None), None)
+    limit = None
+    if asked is None:
+        limit = output_cap if output_cap is not None else \
+            min(default_output, route.context) if route.context else default_output
+    choices = max(int(payload.get(field) or 1) for field in CHOICE_FIELDS)
+    return prompt + (asked or limit) * choices, limit

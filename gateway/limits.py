@@ -14,8 +14,13 @@ has its own counters:
 - concurrent requests as a sorted set of lease ids scored by a lease expiry, so a process that
   dies mid-request leaks nothing past the lease. A lease id is made per admission (a caller's
   ``X-Request-Id`` may repeat; two requests never share a lease);
-- token budgets per scope and UTC day/month, charged from real usage after each request. A budget
-  counter exists only once seeded from the usage records in the database (``UsageRecord``, the
+- token budgets per scope and UTC day/month, charged from real usage after each request. A hard
+  budget cannot be overshot by requests in flight together: each admission *reserves* what the
+  request may cost at most (its prompt, estimated, and the output it may produce: ``bodies.reservation``)
+  as a hold beside the counter — a sorted set of ``<lease id>:<tokens>`` scored by the lease's
+  expiry, so a process that dies mid-request holds nothing past its lease — and is admitted only
+  while the counter, every hold and its own reservation fit; settling drops its hold and charges
+  what it really used. A budget counter exists only once seeded from the usage records in the database (``UsageRecord``, the
   tokens of the scope's subtree in that period): when Redis has lost it (a restart that keeps
   nothing, an eviction), ``ADMIT`` answers which counters are missing, the gateway sums the
   records in a database thread and seeds each with ``SET NX`` (two processes seeding at once do not
@@ -72,18 +77,19 @@ VOID_TTL_MS = 300_000  # a voided lease id is remembered this long (a stalled Re
 RETRY_WALK = 128  # a tokens refusal looks this far into the log for when it is under the limit again
 REPAIRS_KEPT = 50_000  # repairs waiting for Redis; past that the oldest are dropped (their leases expire)
 
-# ARGV: lease id, lease ms, day (YYYYMMDD), month (YYYYMM), spec, and only with an injected clock
-# the time in microseconds (else Redis's TIME). The spec is precomputed per key:
+# ARGV: lease id, lease ms, day (YYYYMMDD), month (YYYYMM), spec, the tokens to reserve against hard
+# budgets, and only with an injected clock the time in microseconds (else Redis's TIME). The spec is precomputed per key:
 # "base,rpm,tpm,conc;..." for levels, then "|", then "budgetbase,daily,monthly,hard;..." (0 = none).
 # Few arguments, because packing each one costs the gateway more than the script costs Redis.
 # Answer: {status, kind, index, wait ms, warnings, then per level: requests in the window, ms until
 # the window holds none of them, tokens in the window, ms until it holds none of them}; status 1
 # admitted, 0 refused (kind and index say by what; wait: when every refusing rate admits again),
-# 2 budget counters missing (then the rest names them: "<budget index><d|m>"), nothing charged.
+# 2 budget counters missing (then the rest names them: "<budget index><d|m>"), nothing charged. A
+# budget refusal ends with two more: the tokens the budget has room for, and its period ("d"/"m").
 ADMIT = """
 local sec, usec
-if ARGV[6] then
-  local us = tonumber(ARGV[6])
+if ARGV[7] then
+  local us = tonumber(ARGV[7])
   sec = math.floor(us / 1000000)
   usec = us - sec * 1000000
 else
@@ -93,6 +99,7 @@ end
 local now_ms = sec * 1000 + math.floor(usec / 1000)
 local cutoff = now_ms - @WINDOW@
 local lid, lease, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local reserve = tonumber(ARGV[6])
 local bar = string.find(spec, '|', 1, true)
 local levels, budgets = {}, {}
 local leased = false
@@ -102,7 +109,7 @@ for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+
 end
 for base, daily, monthly, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),(%d+),(%d+),(%d)') do
   budgets[#budgets + 1] = {base .. ':d:' .. day, base .. ':m:' .. month, tonumber(daily), tonumber(monthly),
-                           tonumber(hard)}
+                           tonumber(hard), base .. ':h'}
 end
 local nl, nb = #levels, #budgets
 -- Budget counters first: one that is missing (Redis lost it) is rebuilt from the usage records.
@@ -125,7 +132,7 @@ if #missing > 0 then
   for _, name in ipairs(missing) do out[#out + 1] = name end
   return out
 end
-if leased and redis.call('EXISTS', '@PREFIX@void:' .. lid) == 1 then return {0, 'void', 0, 0, 0} end
+if (leased or reserve > 0) and redis.call('EXISTS', '@PREFIX@void:' .. lid) == 1 then return {0, 'void', 0, 0, 0} end
 local function tokens_of(member) return tonumber(string.match(member, ':(%d+)$')) end
 local allowed, kind, index, wait = 1, '', 0, 0
 local figures = {}
@@ -190,15 +197,24 @@ if allowed == 0 then  -- when each refused level's window is empty again (admitt
     end
   end
 end
-local warn = 0
+local warn, room_left, room_period = 0, 0, ''
 for j = 1, nb do
   local b = budgets[j]
-  if (b[3] > 0 and spent[j][1] >= b[3]) or (b[4] > 0 and spent[j][2] >= b[4]) then
-    if b[5] == 1 then
-      if allowed == 1 then allowed, kind, index = 0, 'budget', j end
-    else
-      warn = warn + 1
+  if b[5] == 1 then
+    -- hard: what is spent, what the requests in flight hold and this one's reservation must fit
+    redis.call('ZREMRANGEBYSCORE', b[6], '-inf', now_ms)
+    local held = 0
+    for _, member in ipairs(redis.call('ZRANGE', b[6], 0, -1)) do held = held + tokens_of(member) end
+    local room, period = nil, ''
+    if b[3] > 0 then room, period = b[3] - spent[j][1] - held, 'd' end
+    if b[4] > 0 and (room == nil or b[4] - spent[j][2] - held < room) then
+      room, period = b[4] - spent[j][2] - held, 'm'
     end
+    if allowed == 1 and (room <= 0 or reserve > room) then
+      allowed, kind, index, room_left, room_period = 0, 'budget', j, math.max(0, room), period
+    end
+  elseif (b[3] > 0 and spent[j][1] >= b[3]) or (b[4] > 0 and spent[j][2] >= b[4]) then
+    warn = warn + 1
   end
 end
 if allowed == 1 then
@@ -215,17 +231,30 @@ if allowed == 1 then
       redis.call('PEXPIRE', base .. ':c', lease)
     end
   end
+  if reserve > 0 then
+    for j = 1, nb do
+      if budgets[j][5] == 1 then
+        redis.call('ZADD', budgets[j][6], now_ms + lease, lid .. ':' .. reserve)
+        redis.call('PEXPIRE', budgets[j][6], lease)
+      end
+    end
+  end
 end
 local out = {allowed, kind, index, math.max(0, wait), warn}
 for _, v in ipairs(figures) do out[#out + 1] = v end
+if kind == 'budget' then
+  out[#out + 1] = room_left
+  out[#out + 1] = room_period
+end
 return out
 """
 
-# ARGV: lease id, tokens, day, month, spec (as ADMIT's), and the injected time as ADMIT's.
+# ARGV: lease id, tokens, day, month, spec (as ADMIT's), the tokens its admission reserved, and the
+# injected time as ADMIT's.
 SETTLE = """
 local now_ms
-if ARGV[6] then
-  now_ms = math.floor(tonumber(ARGV[6]) / 1000)
+if ARGV[7] then
+  now_ms = math.floor(tonumber(ARGV[7]) / 1000)
 else
   local t = redis.call('TIME')
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -249,8 +278,10 @@ for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+
   end
   if tonumber(conc) > 0 then redis.call('ZREM', base .. ':c', lid) end
 end
-if tokens > 0 then
-  for base in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,%d') do
+local reserved = ARGV[6]
+for base, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,(%d)') do
+  if hard == '1' and reserved ~= '0' then redis.call('ZREM', base .. ':h', lid .. ':' .. reserved) end
+  if tokens > 0 then
     -- a counter Redis lost is rebuilt from the usage records (this request's among them), not started here
     for _, k in ipairs({base .. ':d:' .. day, base .. ':m:' .. month}) do
       if redis.call('EXISTS', k) == 1 then redis.call('INCRBY', k, tokens) end
@@ -261,7 +292,8 @@ return 1
 """
 
 # ARGV: lease id, spec, day, month, "1" to void the lease id (an admission that timed out), "1" to
-# drop the budget counters (a settlement that may not have charged them). Idempotent.
+# drop the budget counters (a settlement that may not have charged them), the tokens its admission
+# reserved (its holds are dropped). Idempotent.
 REPAIR = """
 local lid, spec, day, month = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local bar = string.find(spec, '|', 1, true)
@@ -269,10 +301,9 @@ if ARGV[5] == '1' then redis.call('SET', '@PREFIX@void:' .. lid, 1, 'PX', @VOID_
 for base, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+),%d+,%d+,(%d+)') do
   if tonumber(conc) > 0 then redis.call('ZREM', base .. ':c', lid) end
 end
-if ARGV[6] == '1' then
-  for base in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,%d') do
-    redis.call('DEL', base .. ':d:' .. day, base .. ':m:' .. month)
-  end
+for base, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,(%d)') do
+  if ARGV[6] == '1' then redis.call('DEL', base .. ':d:' .. day, base .. ':m:' .. month) end
+  if hard == '1' and ARGV[7] ~= '0' then redis.call('ZREM', base .. ':h', lid .. ':' .. ARGV[7]) end
 end
 return 1
 """
@@ -339,6 +370,11 @@ class Plan:
     @functools.cached_property
     def leased(self) -> bool:
         return any(level.concurrency for level in self.levels)
+
+    @functools.cached_property
+    def reserves(self) -> bool:
+        """Whether an admission reserves its tokens: a hard budget applies."""
+        return any(b.hard for b in self.budgets)
 
 
 @dataclasses.dataclass
@@ -416,13 +452,16 @@ def _microseconds(now: float) -> str:
     return str(int(now * 1_000_000))
 
 
-def _settlement_repair(lid: str, tokens: int, day: str, month: str, spec: str) -> tuple | None:
+def _settlement_repair(lid: str, tokens: int, day: str, month: str, spec: str, reserved: int) -> tuple | None:
     """``REPAIR``'s arguments for a settlement that may not have run (None when it had nothing to undo):
-    release the lease, and drop the budget counters it charges, to be rebuilt from the usage records."""
+    release the lease and the hold, and drop the budget counters it charges, to be rebuilt from the
+    usage records."""
     levels, budgets = spec.split("|", 1)
     leased = any(part.rsplit(",", 1)[1] != "0" for part in levels.split(";") if part)
     reseed = bool(tokens and budgets)
-    return (lid, spec, day, month, "0", "1" if reseed else "0") if leased or reseed else None
+    if not (leased or reseed or reserved):
+        return None
+    return (lid, spec, day, month, "0", "1" if reseed else "0", str(reserved))
 
 
 def limiter_client(url: str, timeout: float):
@@ -473,8 +512,8 @@ class Limiter:
 
     def _take_lease(self, plan: Plan, request_id: str) -> str:
         """The lease id a settlement releases: the one its admission took (any of them when a request
-        id repeats; their leases are alike), or a fresh id where the plan holds no lease."""
-        if plan.leased:
+        id repeats; their leases are alike), or a fresh id where the plan holds no lease or hold."""
+        if plan.leased or plan.reserves:
             held = self._held.get(request_id)
             if held:
                 lid = held.pop()
@@ -483,14 +522,17 @@ class Limiter:
                 return lid
         return self._lease_id()
 
-    async def admit(self, plan: Plan, request_id: str) -> Admission:
-        """Check and charge every level in one round trip; raise a 429 (with headers) when one refuses."""
+    async def admit(self, plan: Plan, request_id: str, reserve: int = 0) -> Admission:
+        """Check and charge every level in one round trip; raise a 429 (with headers) when one refuses.
+        ``reserve`` is what the request may cost at most, held against hard budgets until it settles
+        (the same number goes to ``settle``)."""
         if plan.empty or self._admit is None:
             return Admission(headers=[])
         now = self.clock() if self.clock is not None else time.time()
         day, month = _periods(now)
         lid = self._lease_id()
-        args = (lid, self.lease_ms, day, month, plan.spec)
+        reserve = reserve if plan.reserves else 0
+        args = (lid, self.lease_ms, day, month, plan.spec, reserve)
         if self.clock is not None:
             args += (_microseconds(now),)
         try:
@@ -502,12 +544,12 @@ class Limiter:
                     raise LimiterUnavailable("Token budgets cannot be checked right now; retry shortly.",
                                              retry_after=1)
         except BaseException as exc:
-            if plan.leased and not isinstance(exc, LimiterUnavailable):
-                # Timed out, cancelled or cut off: it may still run later. Void its lease id.
-                self._queue_repairs([(lid, plan.spec, day, month, "1", "0")])
+            if (plan.leased or reserve) and not isinstance(exc, LimiterUnavailable):
+                # Timed out, cancelled or cut off: it may still run later. Void its lease id (and hold).
+                self._queue_repairs([(lid, plan.spec, day, month, "1", "0", str(reserve))])
             raise
-        admission = self._decide(plan, result, now)
-        if plan.leased:
+        admission = self._decide(plan, result, now, reserve)
+        if plan.leased or reserve:
             self._held.setdefault(request_id, []).append(lid)
         return admission
 
@@ -543,7 +585,7 @@ class Limiter:
         # NX: another process may have seeded it (and charged it since); its count stands.
         await self.redis.set(key, total, nx=True, ex=BUDGET_TTL[kind])
 
-    def _decide(self, plan: Plan, result: list, now: float) -> Admission:
+    def _decide(self, plan: Plan, result: list, now: float, reserve: int = 0) -> Admission:
         """ADMIT's answer (as the script returns it) as an admission, or the error to raise."""
         allowed, kind, index, wait_ms, warn = result[:5]
         headers = rate_headers(plan, result[5:])
@@ -562,9 +604,16 @@ class Limiter:
             retry = 1.0
         elif kind == "budget":
             budget = plan.budgets[index - 1]
-            error = BudgetExceeded(f"The token budget of {budget.path} is used up for this period.",
-                                   details={"scope": budget.path, "daily": budget.daily, "monthly": budget.monthly})
-            retry = _end_of_period(now, "day" if budget.daily else "month")
+            room, period = result[5 + 4 * len(plan.levels):][:2] or (0, b"d" if budget.daily else b"m")
+            room, period = int(room), "day" if period in (b"d", "d") else "month"
+            said = (f"The {'daily' if period == 'day' else 'monthly'} token budget of {budget.path} is used up."
+                    if room <= 0 else
+                    f"The {'daily' if period == 'day' else 'monthly'} token budget of {budget.path} has room for "
+                    f"{room} tokens, counting what requests in flight may use; this one may use up to {reserve} "
+                    "(its prompt and the output it asks for): ask for less output, or wait.")
+            error = BudgetExceeded(said, details={"scope": budget.path, "daily": budget.daily, "monthly": budget.monthly,
+                                                  "period": period, "room": room, "reserved": reserve})
+            retry = _end_of_period(now, period) if room <= 0 else 1.0
         else:
             level = plan.levels[index - 1]
             limit = level.rpm if kind == "rpm" else level.tpm
@@ -578,15 +627,17 @@ class Limiter:
         error.headers = headers + [(b"retry-after", str(max(1, math.ceil(retry))).encode())]
         raise error
 
-    def settle(self, plan: Plan, request_id: str, tokens: int) -> None:
-        """Release the concurrency lease and charge ``tokens``; queued and pipelined off the hot path."""
+    def settle(self, plan: Plan, request_id: str, tokens: int, reserved: int = 0) -> None:
+        """Release the concurrency lease and the hold of ``reserved`` tokens, and charge ``tokens``;
+        queued and pipelined off the hot path."""
         if plan.empty or self._settle is None:
             return
         if not plan.settles:
             return
         now = self.clock() if self.clock is not None else time.time()
         day, month = _periods(now)
-        args = (self._take_lease(plan, request_id), max(0, int(tokens or 0)), day, month, plan.spec)
+        args = (self._take_lease(plan, request_id), max(0, int(tokens or 0)), day, month, plan.spec,
+                reserved if plan.reserves else 0)
         if self.clock is not None:
             args += (_microseconds(now),)
         self._pending.append(args)
@@ -606,7 +657,7 @@ class Limiter:
                 log.exception("could not settle %d gateway requests in Redis; repairing when it answers", len(batch))
                 # Whether they ran is unknown: release their leases and let the budgets they charge be
                 # rebuilt from the usage records (charging again might count them twice).
-                self._queue_repairs([repair for args in batch if (repair := _settlement_repair(*args[:5]))])
+                self._queue_repairs([repair for args in batch if (repair := _settlement_repair(*args[:6]))])
 
     def _queue_repairs(self, repairs: list[tuple]) -> None:
         self._repairs.extend(repairs)
@@ -668,6 +719,7 @@ class LocalLimiter(Limiter):
         self._token_sums: dict[str, int] = {}
         self._leases: dict[str, dict[str, int]] = {}  # "<base>:c" → {lease id: expiry ms}
         self._budgets: dict[str, int] = {}  # "<base>:d:<day>", "<base>:m:<month>" → tokens
+        self._holds: dict[str, dict[str, tuple[int, int]]] = {}  # "<base>:h" → {lease id: (tokens, expiry ms)}
         self._swept_minute = -1
         self._setup()
 
@@ -685,6 +737,8 @@ class LocalLimiter(Limiter):
                 del self._budgets[key]
         for key in [key for key, leases in self._leases.items() if not leases]:
             del self._leases[key]
+        for key in [key for key, holds in self._holds.items() if not holds]:
+            del self._holds[key]
 
     def _missing(self, plan: Plan, day: str, month: str) -> list[str]:
         missing = []
@@ -699,7 +753,7 @@ class LocalLimiter(Limiter):
     async def _store_seed(self, key: str, total: int, kind: str) -> None:
         self._budgets.setdefault(key, total)
 
-    def _evaluate(self, plan: Plan, lid: str, now: float, day: str, month: str) -> list:
+    def _evaluate(self, plan: Plan, lid: str, now: float, day: str, month: str, reserve: int = 0) -> list:
         """``ADMIT`` in Python: the same checks, charges and answer."""
         now_ms = int(now * 1000)
         cutoff = now_ms - WINDOW_MS
@@ -748,18 +802,23 @@ class LocalLimiter(Limiter):
                 if allowed == 1 and n + 1 > level.concurrency:
                     allowed, kind, index = 0, "concurrency", i
             figures += [rn, max(0, rreset), max(0, tsum), max(0, treset)]
-        warn = 0
+        warn, room_left = 0, []
         budgets = self._budgets
         for j, budget in enumerate(plan.budgets, start=1):
             base = f"{PREFIX}budget:{budget.path}"
-            over = ((budget.daily and budgets.get(f"{base}:d:{day}", 0) >= budget.daily)
-                    or (budget.monthly and budgets.get(f"{base}:m:{month}", 0) >= budget.monthly))
-            if over:
-                if budget.hard:
-                    if allowed == 1:
-                        allowed, kind, index = 0, "budget", j
-                else:
-                    warn += 1
+            daily, monthly = budgets.get(f"{base}:d:{day}", 0), budgets.get(f"{base}:m:{month}", 0)
+            if budget.hard:  # what is spent, what requests in flight hold and this reservation must fit
+                holds = self._holds.get(f"{base}:h", {})
+                for held in [held for held, (_, until) in holds.items() if until <= now_ms]:
+                    del holds[held]
+                held = sum(tokens for tokens, _ in holds.values())
+                rooms = ([(budget.daily - daily - held, "d")] if budget.daily else []) + \
+                        ([(budget.monthly - monthly - held, "m")] if budget.monthly else [])
+                room, period = min(rooms, key=lambda pair: pair[0])
+                if allowed == 1 and (room <= 0 or reserve > room):
+                    allowed, kind, index, room_left = 0, "budget", j, [max(0, room), period]
+            elif (budget.daily and daily >= budget.daily) or (budget.monthly and monthly >= budget.monthly):
+                warn += 1
         if allowed == 1:
             for i, level in enumerate(plan.levels):
                 base = f"{PREFIX}rl:{level.ident}"
@@ -769,9 +828,14 @@ class LocalLimiter(Limiter):
                     figures[4 * i + 1] = WINDOW_MS
                 if level.concurrency:
                     self._leases.setdefault(f"{base}:c", {})[lid] = now_ms + self.lease_ms
-        return [allowed, kind, index, max(0, wait), warn] + figures
+            if reserve:
+                for budget in plan.budgets:
+                    if budget.hard:
+                        self._holds.setdefault(f"{PREFIX}budget:{budget.path}:h", {})[lid] = \
+                            (reserve, now_ms + self.lease_ms)
+        return [allowed, kind, index, max(0, wait), warn] + figures + room_left
 
-    async def admit(self, plan: Plan, request_id: str) -> Admission:
+    async def admit(self, plan: Plan, request_id: str, reserve: int = 0) -> Admission:
         if plan.empty:
             return Admission(headers=[])
         now = self.clock()
@@ -780,13 +844,14 @@ class LocalLimiter(Limiter):
         if missing:  # this process has not counted them yet (it started since): from the usage records
             await self._seed(plan, missing, day, month)
         lid = self._lease_id()
-        admission = self._decide(plan, self._evaluate(plan, lid, now, day, month), now)
-        if plan.leased:
+        reserve = reserve if plan.reserves else 0
+        admission = self._decide(plan, self._evaluate(plan, lid, now, day, month, reserve), now, reserve)
+        if plan.leased or reserve:
             self._held.setdefault(request_id, []).append(lid)
         return admission
 
-    def settle(self, plan: Plan, request_id: str, tokens: int) -> None:
-        """``SETTLE`` in Python, at once: release the lease, charge the tokens."""
+    def settle(self, plan: Plan, request_id: str, tokens: int, reserved: int = 0) -> None:
+        """``SETTLE`` in Python, at once: release the lease and the hold, charge the tokens."""
         if plan.empty or not plan.settles:
             return
         now = self.clock()
@@ -805,6 +870,11 @@ class LocalLimiter(Limiter):
                     leases.pop(lid, None)
                     if not leases:
                         del self._leases[f"{base}:c"]
+        if reserved and plan.reserves:
+            for budget in plan.budgets:
+                holds = self._holds.get(f"{PREFIX}budget:{budget.path}:h")
+                if holds is not None:
+                    holds.pop(lid, None)
         if tokens:
             budgets = self._budgets
             for budget in plan.budgets:

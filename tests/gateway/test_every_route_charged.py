@@ -71,12 +71,17 @@ def test_one_request_limit_counts_every_route_and_the_next_on_any_is_refused(gat
     assert {endpoint for endpoint, status in rows if status == 429} == endpoints
 
 
+BUDGET = 400
+# Counting a prompt's tokens runs no model and costs nothing: refused only once a budget is used up
+# (which a budget that reserves never quite is), not while a generating request's reservation fails.
+COUNTING = {"/v1/responses/input_tokens", "/v1/messages/count_tokens"}
 SPENDING = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"]
 
 
 @pytest.mark.parametrize("path", SPENDING)
 def test_a_hard_budget_spent_through_any_route_refuses_every_route(gateway, models, make_key, tree, path):
-    contracts.set_contract(tree.actor, tree.project, daily_token_budget=8, budget_mode="hard")
+    # Room for the first request's reservation (its prompt as estimated, and its output), not many more.
+    contracts.set_contract(tree.actor, tree.project, daily_token_budget=BUDGET, budget_mode="hard")
     caller = make_key()
     more = {"/v1/embeddings": {"input": "the sea and the hills " * 8},
             "/v1/responses": {"max_output_tokens": 8, "ignore_eos": True}}.get(path, {"max_tokens": 8, "ignore_eos": True})
@@ -85,9 +90,15 @@ def test_a_hard_budget_spent_through_any_route_refuses_every_route(gateway, mode
     record = wait_until(lambda: UsageRecord.objects.filter(client_id=caller.client.pk).first(), 20,
                         what="the spending request's usage record")
     assert record.endpoint == path.removeprefix("/v1/") and record.prompt_tokens + record.completion_tokens >= 8
-    # Charged from the answer's usage (settled just after it): then nothing more passes, on any route.
-    wait_until(lambda: send(gateway, path, caller.key).status_code == 429, 10, what="the budget refusal")
-    for other in ROUTES:
-        refused = send(gateway, other, caller.key)
-        assert refused.status_code == 429, (other, refused.text)
-        assert error_of(refused, other) == "budget_exceeded"
+    # Charged from the answer's usage (settled just after it): once what is left cannot hold a request's
+    # reservation, nothing more passes, on any route, and the budget was never overshot.
+    wait_until(lambda: send(gateway, path, caller.key).status_code == 429, 20, what="the budget refusal")
+    for other in set(ROUTES) - COUNTING:
+        refused = wait_until(lambda: (a := send(gateway, other, caller.key)).status_code == 429 and a, 20,
+                             what=f"the budget refusal on {other}")
+        assert error_of(refused, other) == "budget_exceeded", (other, refused.text)
+    wait_until(lambda: UsageRecord.objects.filter(client_id=caller.client.pk, status=429).count()
+               >= len(ROUTES) - len(COUNTING), 20, what="the refusals recorded")
+    spent = sum((r.prompt_tokens or 0) + (r.completion_tokens or 0)
+                for r in UsageRecord.objects.filter(client_id=caller.client.pk))
+    assert 0 < spent <= BUDGET

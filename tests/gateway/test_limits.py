@@ -114,13 +114,17 @@ def softening_approved(tree):
 def test_hard_budget_refuses_once_spent_and_soft_budget_warns(gateway, gateway_b, tiny_engine, deploy, make_key,
                                                              tree):
     deploy("tiny", tiny_engine, task="completion")
-    contracts.set_contract(tree.actor, tree.org, daily_token_budget=20, budget_mode="hard")
+    # Room for the first request's reservation (its prompt at most, and its 120 tokens of output).
+    contracts.set_contract(tree.actor, tree.org, daily_token_budget=300, budget_mode="hard")
     caller = make_key()
-    assert complete(gateway, caller.key, max_tokens=25, ignore_eos=True).status_code == 200
-    # Charged from the engine's usage, seen by the other process too.
-    answer = wait_until(lambda: (a := complete(gateway_b, caller.key)).status_code == 429 and a, 10,
+    assert complete(gateway, caller.key, max_tokens=120, ignore_eos=True).status_code == 200
+    # Charged from the engine's usage, seen by the other process too: what is left cannot hold
+    # another 100 tokens of output.
+    answer = wait_until(lambda: (a := complete(gateway_b, caller.key, max_tokens=100)).status_code == 429 and a, 10,
                         what="the budget refusal")
     assert answer.json()["error"]["code"] == "budget_exceeded" and int(answer.headers["retry-after"]) >= 1
+    # Below what is spent (lowering takes no second person), then soft (which does): a warning only.
+    contracts.set_contract(tree.actor, tree.org, daily_token_budget=20, budget_mode="hard")
     contracts.set_contract(tree.actor, tree.org, daily_token_budget=20, budget_mode="soft",
                            approval=softening_approved(tree))
     soft = make_key()  # a new key: its limits are read fresh
