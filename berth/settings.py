@@ -304,6 +304,10 @@ GATEWAY_MAX_BODY_BYTES = env.integer("BERTH_GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 
 GATEWAY_ADMISSION_QUEUE = env.integer("BERTH_GATEWAY_ADMISSION_QUEUE", 64, minimum=0, maximum=100_000)
 GATEWAY_ADMISSION_TIMEOUT = env.integer("BERTH_GATEWAY_ADMISSION_TIMEOUT", 30, minimum=1, maximum=3600)
 GATEWAY_EXPECTED_LOAD_SECONDS = env.integer("BERTH_GATEWAY_EXPECTED_LOAD_SECONDS", 60, minimum=1)
+# A request whose model's replicas have every slot busy waits in the gateway, in priority order
+# (gateway.slots): at most this many per model and process, each at most this many seconds.
+GATEWAY_SLOT_QUEUE = env.integer("BERTH_GATEWAY_SLOT_QUEUE", 512, minimum=1, maximum=1_000_000)
+GATEWAY_SLOT_WAIT = env.integer("BERTH_GATEWAY_SLOT_WAIT_SECONDS", 120, minimum=1, maximum=3600)
 # Upstream timeouts (seconds): to the first byte of the engine's answer, and for the whole request.
 GATEWAY_FIRST_BYTE_TIMEOUT = env.integer("BERTH_GATEWAY_FIRST_BYTE_TIMEOUT", 120, minimum=1)
 GATEWAY_TOTAL_TIMEOUT = env.integer("BERTH_GATEWAY_TOTAL_TIMEOUT", 900, minimum=1)

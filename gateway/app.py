@@ -63,6 +63,7 @@ from gateway.errors import (
     shown,
 )
 from gateway.limits import Limiter, LocalLimiter, limiter_client
+from gateway.slots import SlotGate
 from gateway.threads import run_db
 from gateway.upstream import Balancer
 from gateway.usage import UsageRecorder
@@ -279,6 +280,7 @@ class Gateway:
             self.queue_size = settings.GATEWAY_ADMISSION_QUEUE
             self.admission_timeout = settings.GATEWAY_ADMISSION_TIMEOUT
             self.budget_output = settings.GATEWAY_BUDGET_OUTPUT_TOKENS
+            self.slots = SlotGate(settings.GATEWAY_SLOT_QUEUE, settings.GATEWAY_SLOT_WAIT)
             self.recorder.start()
             self.tracer = tracing.Tracer.from_environ()
             self.tracer.begin()
@@ -624,7 +626,9 @@ class Gateway:
             if changed:
                 body = orjson.dumps(payload)
             watcher = asyncio.get_running_loop().create_task(self._watch(call, asyncio.current_task()))
-            await self._forward(call, route, upstream_path, body)
+            # Every slot busy: it waits its turn by its client's priority, not the engine's arrival order.
+            async with self.slots.slot(route.name, sum(e.slots for e in route.endpoints), principal.priority):
+                await self._forward(call, route, upstream_path, body)
         finally:
             if watcher is not None:
                 watcher.cancel()

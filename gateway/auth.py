@@ -60,6 +60,7 @@ class Principal:
     may_infer: bool
     environment: str
     plan: Plan
+    priority: str = "normal"  # the client's workload priority: the order its requests wait in (gateway.slots)
 
     def allows(self, model: str) -> bool:
         return self.all_models or model in self.allowed_models
@@ -91,7 +92,7 @@ def load_principal(plaintext: str) -> tuple[Principal, float | None]:
         lookup=credential.lookup, client_pk=client.pk, client_id=str(client.public_id), client_name=client.name,
         project_pk=project.pk, project_path=project.path, all_models=client.all_models,
         allowed_models=frozenset(client.allowed_models), may_infer=client.may_infer,
-        environment=client.environment, plan=Plan.build(levels, budgets))
+        environment=client.environment, plan=Plan.build(levels, budgets), priority=client.priority)
     return principal, credential.expires_at.timestamp() if credential.expires_at else None
 
 

@@ -99,6 +99,12 @@ class QueueFull(RateLimited):
     code = "queue_full"
 
 
+class ServerBusy(RateLimited):
+    """Every slot of the model's replicas is busy and its wait queue has no room for this priority."""
+
+    code = "server_busy"
+
+
 class ModelLoading(Unavailable):
     """Retry later: answered with ``Retry-After``."""
 

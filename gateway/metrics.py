@@ -16,6 +16,8 @@ QUEUE = Histogram("berth_gateway_queue_seconds", "Time waiting for a replica (ad
                   ["model"], registry=registry, buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120))
 WAITING = Gauge("berth_gateway_waiting", "Requests waiting now for a model to load (admission queue).", ["model"],
                 registry=registry)
+SLOT_WAITING = Gauge("berth_gateway_slot_waiting", "Requests waiting now for a slot of a model whose replicas are "
+                     "all busy (served in priority order).", ["model"], registry=registry)
 TOKENS = Counter("berth_gateway_tokens", "Tokens processed, by model and kind (prompt, completion).",
                  ["model", "kind"], registry=registry)
 

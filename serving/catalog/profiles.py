@@ -123,6 +123,16 @@ def running_context(kind: str, config: dict | None) -> int | None:
     return known.default_context
 
 
+def running_slots(kind: str, config: dict | None) -> int:
+    """How many requests an engine run with ``config`` takes at once: the configured slots, else its
+    default (llama.cpp one, vLLM 256)."""
+    known = engine_for(kind if kind in ENGINES else "llamacpp")
+    value = (config or {}).get(known.catalog_keys["parallel"])
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return known.default_slots
+
+
 def estimate_config(profile: dict, kind: str | None = None) -> dict[str, Any]:
     """The same settings in the memory estimator's names, for one accelerator of the profile's
     (``estimation_config``: llama.cpp offloads every layer to its GPUs, vLLM shards over them). An

@@ -26,6 +26,7 @@ class Endpoint:
     url: str  # http://host:port, no trailing slash
     key: str  # the per-replica engine key, sent as ``Authorization: Bearer``
     engine: str = ""  # the engine kind it runs (``llamacpp``, ``vllm``): which API routes it serves
+    slots: int = 1  # requests it serves at once (its engine's parallel slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +87,10 @@ def load_table() -> RoutingTable:
     endpoints: dict[str, list[Endpoint]] = {}
     ready = (Replica.objects.filter(state=DeploymentState.READY, deployment__state__in=LOADABLE)
              .values_list("public_id", "port", "node__address", "deployment__name", "deployment__task",
-                          "deployment__engine"))
-    for public_id, port, address, name, task, engine in ready:
+                          "deployment__engine", "deployment__config"))
+    for public_id, port, address, name, task, engine, config in ready:
         endpoints.setdefault(name, []).append(Endpoint(str(public_id), _url(address, port), replica_key(public_id),
-                                                       engine))
+                                                       engine, profiles.running_slots(engine, config)))
         names.setdefault(name, {"task": task, "states": {DeploymentState.READY}, "contexts": [], "owners": set(),
                                 "engines": {engine}})
     catalog = {row["name"]: row for row in ModelEntry.objects.values("name", "task", "aliases", "fallbacks",

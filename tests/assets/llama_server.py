@@ -24,6 +24,7 @@ class LlamaServer:
                  threads: int = 2, api_key: str | None = None, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.parallel = parallel  # its slots, which a Deployment row of it records as its config's "parallel"
         self.log_path = log_path
         self.api_key = api_key
         argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),

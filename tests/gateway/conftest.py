@@ -155,8 +155,9 @@ def deploy(node):
     from serving.models import Deployment, Replica
 
     def make(name, engine=None, *, task="chat", state="ready", replica_state="ready", replica_id=None, port=None):
+        slots = getattr(getattr(engine, "server", None), "parallel", None)
         deployment = Deployment.objects.create(name=name, task=task, model_path="/models/x.gguf", node=node,
-                                               state=state)
+                                               state=state, config={"parallel": slots} if slots else {})
         replica = None
         if engine is not None or replica_id is not None:
             replica = Replica.objects.create(
