@@ -63,7 +63,7 @@ from gateway.errors import (
     shown,
 )
 from gateway.limits import Limiter, LocalLimiter, limiter_client
-from gateway.slots import SlotGate
+from gateway.slots import RANK, SlotGate
 from gateway.threads import run_db
 from gateway.upstream import Balancer
 from gateway.usage import UsageRecorder
@@ -616,6 +616,9 @@ class Gateway:
             changed = False
             if output_cap is not None:  # the request named no limit: the model's cap is its limit
                 payload[bodies.cap_field(endpoint)] = output_cap
+                changed = True
+            if route.endpoints and all(e.by_priority for e in route.endpoints):
+                payload["priority"] = RANK.get(principal.priority, RANK["normal"])  # vLLM: lower is sooner
                 changed = True
             if stream and endpoint in ASKS_USAGE:
                 options = payload.get("stream_options")

@@ -27,6 +27,8 @@ class Endpoint:
     key: str  # the per-replica engine key, sent as ``Authorization: Bearer``
     engine: str = ""  # the engine kind it runs (``llamacpp``, ``vllm``): which API routes it serves
     slots: int = 1  # requests it serves at once (its engine's parallel slots)
+    # It orders what it is sent by each request's ``priority`` (vLLM's priority scheduling policy).
+    by_priority: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,8 @@ def load_table() -> RoutingTable:
                           "deployment__engine", "deployment__config"))
     for public_id, port, address, name, task, engine, config in ready:
         endpoints.setdefault(name, []).append(Endpoint(str(public_id), _url(address, port), replica_key(public_id),
-                                                       engine, profiles.running_slots(engine, config)))
+                                                       engine, profiles.running_slots(engine, config),
+                                                       (config or {}).get("scheduling_policy") == "priority"))
         names.setdefault(name, {"task": task, "states": {DeploymentState.READY}, "contexts": [], "owners": set(),
                                 "engines": {engine}})
     catalog = {row["name"]: row for row in ModelEntry.objects.values("name", "task", "aliases", "fallbacks",

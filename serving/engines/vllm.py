@@ -44,6 +44,9 @@ OPTIONS: dict[str, Option] = {
     "kv_cache_dtype": Option(str, default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     "quantization": Option(str, default=None, choices=("awq", "gptq", "fp8", "bitsandbytes", "gguf", "compressed-tensors")),
     "enforce_eager": Option(bool, default=False, help="--enforce-eager (no CUDA graphs: less memory, slower)"),
+    "scheduling_policy": Option(str, default=None, choices=("fcfs", "priority"),
+                                help="--scheduling-policy: priority serves requests in the order of their clients' "
+                                     "workload priority, which the gateway sends as each request's priority"),
     "draft_model": Option(str, default=None, pattern=r"/.+",
                           help="--speculative-config's model: a smaller model of the same vocabulary that drafts "
                                "tokens for this one (a folder)"),
@@ -133,7 +136,7 @@ class VLLM:
         if config["max_num_seqs"] is not None:
             argv += ["--max-num-seqs", str(config["max_num_seqs"])]
         for key, flag in (("dtype", "--dtype"), ("kv_cache_dtype", "--kv-cache-dtype"),
-                          ("quantization", "--quantization")):
+                          ("quantization", "--quantization"), ("scheduling_policy", "--scheduling-policy")):
             if config[key] is not None:
                 argv += [flag, config[key]]
         if config["draft_model"]:

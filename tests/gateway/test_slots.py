@@ -169,3 +169,37 @@ def _waiting(gateway, model) -> int:
         if line.startswith("berth_gateway_slot_waiting{") and f'model="{model}"' in line:
             return int(float(line.rsplit(" ", 1)[1]))
     return 0
+
+
+@pytest.mark.llama
+@pytest.mark.django_db(transaction=True)
+def test_a_vllm_replica_that_schedules_by_priority_is_sent_each_clients_priority(gateway, tiny_engine, node,
+                                                                                 make_key):
+    from serving import events
+    from serving.models import Deployment, Replica
+    from tests.assets.recording_engine import RecordingEngine
+
+    hop = RecordingEngine(tiny_engine.server.base_url)  # stands in for vLLM's server: it keeps what it was sent
+    try:
+        deployment = Deployment.objects.create(name="by-priority", task="completion", engine="vllm",
+                                               config={"scheduling_policy": "priority"}, model_path="/models/x",
+                                               node=node, state="ready")
+        Replica.objects.create(public_id=tiny_engine.replica_id, port=hop.port, deployment=deployment, node=node,
+                               state="ready")
+        events.routing_changed()
+
+        def sent(priority):
+            key = make_key(priority=priority).key
+            answer = httpx.post(f"{gateway.base_url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                timeout=60, json={"model": "by-priority", "prompt": "a", "max_tokens": 1})
+            assert answer.status_code == 200, answer.text
+            return hop.last("/v1/completions")["body"]
+
+        for priority, rank in (("critical", 0), ("batch", 4), ("normal", 2)):
+            assert sent(priority)["priority"] == rank  # vLLM serves a lower number sooner
+        # First come, first served (vLLM's default): it is sent none, which vLLM would refuse there.
+        Deployment.objects.filter(pk=deployment.pk).update(config={})
+        events.routing_changed()
+        wait_until(lambda: "priority" not in sent("critical"), 10, what="the routing table read again")
+    finally:
+        hop.close()

@@ -197,3 +197,9 @@ def test_a_draft_model_becomes_the_speculative_config(gpu_spec):
         VLLM().validate_config({"draft_max": 4})
     assert [p["field"] for p in caught.value.details["problems"]] == ["draft_max"]
 
+
+
+def test_priority_scheduling_is_asked_for_by_its_flag(gpu_spec):
+    assert flag_value(VLLM().command(gpu_spec(config={"scheduling_policy": "priority"})).argv,
+                      "--scheduling-policy") == "priority"
+    assert "--scheduling-policy" not in VLLM().command(gpu_spec()).argv  # vLLM's own default: first come
