@@ -2,7 +2,6 @@ from datetime import datetime, timedelta
 
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.db.models import Count, Q, Sum
-from django.db.models.functions import TruncHour
 from django.http import JsonResponse
 from django.urls import reverse
 from django.utils import timezone
@@ -84,10 +83,10 @@ def hourly_usage(visible, now) -> dict:
     last: one aggregate query over the usage rows the viewer may see."""
     end = timezone.localtime(now).replace(minute=0, second=0, microsecond=0)
     hours = [end - timedelta(hours=HOURS - 1 - i) for i in range(HOURS)]
-    rows = (visible.filter(started_at__gte=hours[0]).annotate(hour=TruncHour("started_at")).values("hour")
-            .annotate(requests=Count("id"), refused=Count("id", filter=Q(status__gte=400)),
-                      prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")).order_by("hour"))
-    found = {row["hour"]: row for row in rows}
+    rows = (visible.filter(started_at__gte=hours[0]).annotate(hour=usage_services.bucket("started_at", "hour"))
+            .values("hour").annotate(requests=Count("id"), refused=Count("id", filter=Q(status__gte=400)),
+                                     prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")).order_by("hour"))
+    found = {usage_services.bucket_start(row["hour"], "hour"): row for row in rows}
     buckets = [{"hour": hour, "requests": found.get(hour, {}).get("requests", 0),
                 "refused": found.get(hour, {}).get("refused", 0),
                 "prompt": found.get(hour, {}).get("prompt") or 0,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import date, datetime, timedelta, timezone as dt_timezone
 
+from django.conf import settings
+from django.db import connection
 from django.db.models import Count, Q, Sum
-from django.db.models.functions import TruncDate
+from django.db.models.functions import Substr, TruncDate, TruncHour
 from django.utils import timezone
 
 from berth.errors import InvalidInput
@@ -25,14 +27,35 @@ def visible_usage(caller, queryset=None):
     return access.visible_by_path(caller, UsageRecord.objects.all() if queryset is None else queryset, "scope_path")
 
 
+def bucket(field: str, size: str):
+    """``field`` cut to its hour or its day (``size``: "hour" or "day"), to group by; ``bucket_start``
+    reads the value back. On SQLite, Django's TruncHour and TruncDate call a Python function for every
+    row (40 ms over 10,000 usage rows, ``manage.py bench_console``); the text SQLite stores
+    (``YYYY-MM-DD HH:MM:SS.ffffff``, in UTC, Berth's one time zone) starts with both, so its first
+    characters are grouped instead (4 ms)."""
+    if connection.vendor == "sqlite" and settings.TIME_ZONE == "UTC":
+        return Substr(field, 1, 13 if size == "hour" else 10)
+    return TruncHour(field) if size == "hour" else TruncDate(field)
+
+
+def bucket_start(value, size: str):
+    """What ``bucket`` grouped by, as the Trunc functions give it: the hour (aware, UTC) or the date."""
+    if not isinstance(value, str):
+        return value
+    if size == "hour":
+        return datetime.strptime(value, "%Y-%m-%d %H").replace(tzinfo=dt_timezone.utc)
+    return date.fromisoformat(value)
+
+
 def totals_by_model_and_day(queryset, days: int = 14) -> list[dict]:
     since = timezone.now() - timedelta(days=days)
-    return list(queryset.filter(started_at__gte=since)
-                .annotate(day=TruncDate("started_at"))
-                .values("day", "model_served")
-                .annotate(requests=Count("id"), prompt_tokens=Sum("prompt_tokens"),
-                          completion_tokens=Sum("completion_tokens"), cost=Sum("cost"))
-                .order_by("-day", "model_served"))
+    rows = (queryset.filter(started_at__gte=since)
+            .annotate(day=bucket("started_at", "day"))
+            .values("day", "model_served")
+            .annotate(requests=Count("id"), prompt_tokens=Sum("prompt_tokens"),
+                      completion_tokens=Sum("completion_tokens"), cost=Sum("cost"))
+            .order_by("-day", "model_served"))
+    return [{**row, "day": bucket_start(row["day"], "day")} for row in rows]
 
 
 def retry_parked_usage() -> int:
@@ -153,9 +176,24 @@ def delete_split(caller, split) -> None:
 def per_day(queryset, days: int = 14) -> list[dict]:
     """Requests and tokens per UTC day (one query)."""
     since = timezone.now() - timedelta(days=days)
-    return list(queryset.filter(started_at__gte=since).annotate(day=TruncDate("started_at")).values("day")
-                .annotate(requests=Count("id"), prompt_tokens=Sum("prompt_tokens"),
-                          completion_tokens=Sum("completion_tokens")).order_by("day"))
+    rows = (queryset.filter(started_at__gte=since).annotate(day=bucket("started_at", "day")).values("day")
+            .annotate(requests=Count("id"), prompt_tokens=Sum("prompt_tokens"),
+                      completion_tokens=Sum("completion_tokens")).order_by("day"))
+    return [{**row, "day": bucket_start(row["day"], "day")} for row in rows]
+
+
+def per_day_of(totals: list[dict]) -> list[dict]:
+    """``per_day``'s rows summed from ``totals_by_model_and_day``'s of the same records and period,
+    for a page that shows both: the records are read once."""
+    days: dict = {}
+    for row in totals:
+        into = days.setdefault(row["day"], {"day": row["day"], "requests": 0, "prompt_tokens": None,
+                                            "completion_tokens": None})
+        into["requests"] += row["requests"]
+        for key in ("prompt_tokens", "completion_tokens"):  # None while no record says (a Sum of none)
+            if row[key] is not None:
+                into[key] = (into[key] or 0) + row[key]
+    return [days[day] for day in sorted(days)]
 
 
 def latency_by_model(queryset, days: int = 14) -> list[dict]:
@@ -196,9 +234,10 @@ def latency_by_model(queryset, days: int = 14) -> list[dict]:
     return out
 
 
-def charts(queryset, days: int = 14) -> dict:
-    """The console's three charts (two queries)."""
-    daily = per_day(queryset, days)
+def charts(queryset, days: int = 14, totals: list[dict] | None = None) -> dict:
+    """The console's three charts (two queries; one where ``totals``, ``totals_by_model_and_day``'s
+    rows of the same records and period, give the days)."""
+    daily = per_day(queryset, days) if totals is None else per_day_of(totals)
     labels = [row["day"].strftime("%m-%d") for row in daily]
     latency = latency_by_model(queryset, days)
     return {

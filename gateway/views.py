@@ -49,8 +49,9 @@ class IndexView(ConsolePage):
         records = filterset.qs if filterset.is_bound and filterset.is_valid() else visible
         scope = (self.request.GET.get("scope") or "").strip()
         in_scope = filterset.under_scope(visible, "scope", scope) if scope else visible
+        totals = services.totals_by_model_and_day(in_scope)
         context.update(filterset=filterset, records=records.order_by("-started_at")[:100],
-                       totals=services.totals_by_model_and_day(in_scope), charts=services.charts(in_scope),
+                       totals=totals, charts=services.charts(in_scope, totals=totals),
                        scopes=_visible_scope_paths(user), chosen_scope=scope,
                        splits=services.visible_splits(user), environments=services.ENVIRONMENTS)
         return context

@@ -49,9 +49,9 @@ def _gib(value):
 
 
 def memory_bar(accelerator) -> dict:
-    """Used (measured), reserved (by Berth) and free on one bar; unknown stays unknown."""
-    total, used = accelerator.memory_total_bytes, accelerator.memory_used_bytes
-    reserved = sum(r.bytes for r in accelerator.reservations.all())
+    """Used (measured), reserved (by Berth: ``reserved_bytes``, as the fleet views annotate it) and
+    free on one bar; unknown stays unknown."""
+    total, used, reserved = accelerator.memory_total_bytes, accelerator.memory_used_bytes, accelerator.reserved_bytes
     if not total:
         return {"known": False}
     return {"known": True, "used_known": used is not None,

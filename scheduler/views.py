@@ -8,7 +8,8 @@ from urllib.parse import urlsplit
 
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin, UserPassesTestMixin
-from django.db.models import Prefetch
+from django.db.models import OuterRef, Prefetch, Subquery, Sum
+from django.db.models.functions import Coalesce
 from django.http import QueryDict
 from django.shortcuts import render
 from django.urls import reverse
@@ -19,15 +20,20 @@ from berth.htmx import render_page
 from scheduler import memory, placement_service, reach, recovery_service, services
 from scheduler.filtersets import NodeFilterSet, PlacementDecisionFilterSet
 from scheduler.forms import EstimateForm, NodeActionForm, NodeLabelsForm
-from scheduler.models import Accelerator, AcceleratorSample, ModelDirectory, Node, NodeSample, PlacementDecision
+from scheduler.models import (Accelerator, AcceleratorSample, MemoryReservation, ModelDirectory, Node, NodeSample,
+                              PlacementDecision)
 from scheduler.presenting import estimate_payload
 from scheduler.tables import AcceleratorTable, NodeTable, ParkedModelTable, UnplaceableModelTable
 from tenancy.console import ConsolePage, ObjectAction, filtered
 
 
 def _accelerators():
-    return Accelerator.objects.select_related("node").prefetch_related("reservations").order_by(
-        "node__name", "index", "mig_index")
+    """Accelerators with their node and ``reserved_bytes``, what Berth reserves on each: summed in the
+    query, since a prefetch builds a queryset per card (36 ms against 10 for 200 GPUs, bench_console)."""
+    reserved = (MemoryReservation.objects.filter(accelerator=OuterRef("pk")).order_by().values("accelerator")
+                .annotate(total=Sum("bytes")).values("total"))
+    return Accelerator.objects.select_related("node").annotate(
+        reserved_bytes=Coalesce(Subquery(reserved), 0)).order_by("node__name", "index", "mig_index")
 
 
 class StaffOnly(UserPassesTestMixin):
@@ -92,6 +98,8 @@ class NodeDetailView(FleetMixin, ConsolePage):
         context["can_act"] = reach.sees_everything(self.request.user)
         context["labels_text"] = "\n".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items()))
         context["actions"] = [verb for verb, (allowed, _) in services._TRANSITIONS.items() if node.state in allowed]
+        context["breadcrumbs"] = [("Fleet", reverse("scheduler:index")), ("Nodes", reverse("scheduler:index")),
+                                  (node.name, self.request.path)]
         return context
 
 

@@ -5,8 +5,9 @@ caller may see before anything runs (``narrow``: by default the rows of scopes w
 a role) and looks objects up by public id through it, so an object outside the caller's reach is a
 404; it turns a service's refusal into a refusal page (403 for "not allowed"). ``ObjectAction`` is a
 POST on one such object that calls one service and answers with a redirect, or with the swapped piece
-of page to an HTMX request. ``filtered`` reads a FilterSet as a console page shows it. Services check
-permissions and write the audit log: views never write rows.
+of page to an HTMX request. ``filtered`` reads a FilterSet as a console page shows it; ``scope_crumbs``
+is a record page's trail through the tree (``berth/breadcrumbs.html``), as far as the caller sees it.
+Services check permissions and write the audit log: views never write rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, render
+from django.urls import reverse
 from django.utils.cache import patch_vary_headers
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views import View
@@ -23,6 +25,7 @@ from berth.errors import BerthError, InvalidInput, NotFound, PermissionDenied
 from berth.htmx import PageView, wants_fragment
 from tenancy import access
 from tenancy.audit import Actor
+from tenancy.models import Scope
 
 
 class ConsoleMixin(LoginRequiredMixin):
@@ -134,6 +137,14 @@ def filtered(filterset):
     except (NotFound, InvalidInput) as refusal:
         filterset.form.add_error(None, refusal.message)
         return filterset.queryset.none()
+
+
+def scope_crumbs(user, scope: Scope) -> list[tuple[str, str]]:
+    """Breadcrumbs (name, page) of ``scope`` and the scopes above it, top first, leaving out those
+    outside ``user``'s reach: a crumb would tell them what such a scope is called."""
+    above = access.visible_to(user, Scope.objects.filter(path__in=scope.ancestor_paths()), "")
+    # A scope's ancestors' paths are prefixes of its own: ordered by path, the organisation comes first.
+    return [(s.name, reverse("tenancy:scope", args=[s.public_id])) for s in above.order_by("path")]
 
 
 def first_error(form) -> str:

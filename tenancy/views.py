@@ -21,7 +21,7 @@ from django.views import View
 
 from berth.errors import BerthError, InvalidInput, NotFound, PermissionDenied
 from tenancy import access
-from tenancy.console import ConsoleMixin, ConsolePage, ObjectAction, filtered, first_error
+from tenancy.console import ConsoleMixin, ConsolePage, ObjectAction, filtered, first_error, scope_crumbs
 from tenancy.errors import ApprovalRequired, InvalidContract
 from tenancy.exports import audit_export
 from tenancy.filtersets import AuditEventFilterSet
@@ -45,6 +45,16 @@ def scope_url(scope) -> str:
 
 def client_url(client) -> str:
     return reverse("tenancy:client", args=[client.public_id])
+
+
+# A record's page is reached from Organisations, then the list it belongs to (berth/breadcrumbs.html).
+def tree_crumbs() -> list[tuple[str, str]]:
+    return [("Organisations", reverse("tenancy:index")), ("Tree", reverse("tenancy:index"))]
+
+
+def client_crumbs(request, client) -> list[tuple[str, str]]:
+    return [("Organisations", reverse("tenancy:index")), ("Service clients", reverse("tenancy:clients")),
+            *scope_crumbs(request.user, client.project), (client.name, client_url(client))]
 
 
 def with_tree_figures(scopes) -> list[Scope]:
@@ -99,6 +109,7 @@ class ScopeView(ConsolePage):
             clients=ClientTable(clients, caller=user),
             chain=ContractChainTable(chain, caller=user),
             scope_form=ScopeCreateForm(), member_form=MemberAddForm(),
+            breadcrumbs=[*tree_crumbs(), *scope_crumbs(user, scope)],
         )
         return context
 
@@ -286,6 +297,7 @@ def client_context(request, client, **extra) -> dict:
         # The key form shows to whoever may mint one (an admin, for a client with management access).
         "may_use": access.can(request.user, client_service.key_action(client), client),
         "key_form": KeyForm(approvals=usable, initial={"approval": chosen}), "rotate_form": RotateForm(),
+        "breadcrumbs": client_crumbs(request, client),
         **extra,
     }
 
@@ -410,8 +422,11 @@ class ContractView(ConsoleMixin, View):
 
     def _render(self, scope, form, status=200, **extra):
         chain = contract_service.visible_chain(self.request.user, scope)
+        crumbs = [*tree_crumbs(), *scope_crumbs(self.request.user, scope),
+                  ("Contract", reverse("tenancy:contract", args=[scope.public_id]))]
         return render(self.request, self.template_name,
-                      {"scope": scope, "form": form, "chain": ContractChainTable(chain), **extra}, status=status)
+                      {"scope": scope, "form": form, "chain": ContractChainTable(chain), "breadcrumbs": crumbs,
+                       **extra}, status=status)
 
     def get(self, request, public_id):
         scope = self.get_object()
@@ -551,7 +566,11 @@ class ApprovalView(ConsolePage):
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context["card"] = approval_card(self.request, self.get_object())
+        approval = self.get_object()
+        context["card"] = approval_card(self.request, approval)
+        context["breadcrumbs"] = [("Organisations", reverse("tenancy:index")),
+                                  ("Approvals", reverse("tenancy:approvals")),
+                                  (f"{approval.action} on {approval.subject_repr}", self.request.path)]
         return context
 
 

@@ -27,7 +27,7 @@ EMBEDDED = (
     "serving/test_quarantine_and_states.py", "serving/test_reconcile_soon.py", "scheduler/test_decision_filters.py",
     "tenancy/test_audit_filters.py", "tenancy/test_console_bases.py",
     "test_console.py", "test_console_walk.py", "test_persona_walk.py", "test_query_counts.py",
-    "test_backup.py", "test_dashboard.py", "test_newcomer_journey.py",
+    "test_backup.py", "test_dashboard.py", "test_newcomer_journey.py", "test_console_crawl.py", "test_breadcrumbs.py",
 )
 
 

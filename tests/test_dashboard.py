@@ -301,9 +301,10 @@ NOT_LINKED = {"models/deployments/<uuid:public_id>/stream/"}
 SKIP = ("/static/", "/admin/", "/api/", "/logout/", "/login/")
 
 
-def crawl(user, start="/", limit=400) -> tuple[dict[str, int], dict[str, str]]:
+def crawl(user, start="/", limit=400, urls: list | None = None) -> tuple[dict[str, int], dict[str, str]]:
     """Follow every same-site link from ``start`` (each route opened at most three times): the
-    routes reached with their status, and for each the page it was first linked from."""
+    routes reached with their status, and for each the page it was first linked from. ``urls``, when
+    given, gets each URL opened, in order (tests/test_console_crawl.py opens them in Chromium)."""
     client = Client()
     client.force_login(user)
     reached, linked_from, opened = {}, {}, {}
@@ -320,6 +321,8 @@ def crawl(user, start="/", limit=400) -> tuple[dict[str, int], dict[str, str]]:
             continue
         opened[route] = opened.get(route, 0) + 1
         response = client.get(url)
+        if urls is not None:
+            urls.append(url)
         reached[route] = max(reached.get(route, 0), response.status_code)
         linked_from.setdefault(route, parent)
         if response.get("Content-Type", "").startswith("text/html"):

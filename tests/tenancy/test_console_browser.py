@@ -34,7 +34,7 @@ def test_owner_creates_a_client_and_a_key_sees_it_once_and_revokes_it(live_serve
             page.wait_for_url(live_server.url + "/organisations/")
             page.screenshot(path=str(artifacts_dir / "tenancy-tree.png"), full_page=True)
             page.click("table.records >> text=Search")
-            page.click("text=New service client")
+            page.click("a.button:text-is('New service client')")
             page.fill("#id_name", "indexer-with-a-rather-long-name-that-must-be-clipped-" + "x" * 40)
             page.select_option("#id_environment", "staging")
             page.fill("#id_description", "Feeds the search index " * 10)
