@@ -18,6 +18,7 @@ from django.db.models import Count, Exists, F, OuterRef, Sum, Window
 from django.db.models.functions import RowNumber
 
 from berth import backup, health, lease
+from scheduler import placement_service
 from scheduler.models import Accelerator, MemoryReservation, Node, PlacementDecision, RecoveryState
 from scheduler.snapshot import contracts_from_tenancy
 from serving import load
@@ -76,8 +77,7 @@ def model_families(now: float) -> list:
     newest = Window(RowNumber(), partition_by=[F("model")], order_by=[F("created_at").desc(), F("id").desc()])
     latest = dict(PlacementDecision.objects.filter(kind=PlacementDecision.Kind.PLAN, model__in=catalog)
                   .annotate(rank=newest).filter(rank=1).values_list("model", "verdict"))
-    preempted = dict(PlacementDecision.objects.filter(verdict=Verdict.PREEMPTED, model__in=catalog)
-                     .values_list("model").annotate(n=Count("pk")))
+    preempted = placement_service.tallied(Verdict.PREEMPTED, catalog)  # kept and trimmed: it never goes down
     # Read directly: ``load.last_used`` would start the idle clock of a running model it has not seen.
     keys = {load._used_key(name): name for name in names}
     used = {keys[key]: float(at) for key, at in cache.get_many(list(keys)).items()}
@@ -92,7 +92,7 @@ def model_families(now: float) -> list:
     unplaceable_f = _gauge("berth_model_unplaceable", "1 when the latest placement plan could not place it.",
                            ["model"])
     preempted_f = Family("berth_model_preempted", "Times the model gave room to another "
-                         "(placement decisions kept in the history).", ["model"], kind="counter")
+                         "(over all time: the history kept, and what trimming tallied).", ["model"], kind="counter")
     idle_f = _gauge("berth_model_idle_seconds", "Seconds since the model was last asked for (absent when "
                     "not known).", ["model"])
     for name, scaling_min, pinned, fingerprint in entries:

@@ -272,6 +272,22 @@ class PlacementDecision(models.Model):
         return f"{self.model}: {self.verdict} ({', '.join(self.reason_codes)})"
 
 
+class DecisionTally(models.Model):
+    """Decisions trimmed from the history (``placement_service.trim_history``), counted per model and
+    verdict: a count over all time (``berth_model_preempted_total``) is what is kept plus this, so
+    trimming never makes a counter go down (Prometheus would read that as a reset, and an increase)."""
+
+    model = models.CharField(max_length=255)
+    verdict = models.CharField(max_length=16, choices=PlacementDecision.Verdict.choices)
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["model", "verdict"], name="one_tally_per_model_and_verdict")]
+
+    def __str__(self) -> str:
+        return f"{self.model}: {self.count} {self.verdict} trimmed"
+
+
 class RecoveryState(models.Model):
     """The recovery ladder's memory for one catalog model: its launch failures in a row, how far
     down the ladder it is, and whether it is parked (``scheduler.recovery_service`` writes it;

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import OuterRef, QuerySet, Subquery
+from django.db.models import Count, F, OuterRef, QuerySet, Subquery
 
 from scheduler import reach, recovery_service
-from scheduler.models import PlacementDecision, RecoveryState
+from scheduler.models import DecisionTally, PlacementDecision, RecoveryState
 from scheduler.policy import plan as policy
 from scheduler.policy.inputs import Plan, Snapshot
 from scheduler.policy.placement import Fleet
@@ -22,15 +22,34 @@ def _history_limit() -> int:
     return int(getattr(settings, "SCHEDULER_DECISION_HISTORY", HISTORY_DEFAULT))
 
 
+TALLIED = (PlacementDecision.Verdict.PREEMPTED,)  # the verdicts counted over all time (a metric's counter)
+
+
 def trim_history() -> int:
-    """Keep only the newest ``SCHEDULER_DECISION_HISTORY`` decisions."""
+    """Keep only the newest ``SCHEDULER_DECISION_HISTORY`` decisions; what goes of the tallied
+    verdicts is added to their ``DecisionTally`` first, in the same transaction."""
     limit = _history_limit()
     cutoff = PlacementDecision.objects.order_by("-created_at", "-id").values_list("id", flat=True)[limit:limit + 1]
     cutoff = list(cutoff)
     if not cutoff:
         return 0
-    deleted, _ = PlacementDecision.objects.filter(id__lte=cutoff[0]).delete()
+    doomed = PlacementDecision.objects.filter(id__lte=cutoff[0])
+    with transaction.atomic():
+        for model, verdict, count in (doomed.filter(verdict__in=TALLIED).order_by().values("model", "verdict")
+                                      .annotate(n=Count("pk")).values_list("model", "verdict", "n")):
+            tally, _ = DecisionTally.objects.select_for_update().get_or_create(model=model, verdict=verdict)
+            DecisionTally.objects.filter(pk=tally.pk).update(count=F("count") + count)
+        deleted, _ = doomed.delete()
     return deleted
+
+
+def tallied(verdict: str, models) -> dict[str, int]:
+    """{model: decisions of ``verdict`` over all time} for ``models``: those kept and those trimmed."""
+    kept = dict(PlacementDecision.objects.filter(verdict=verdict, model__in=models).order_by()
+                .values_list("model").annotate(n=Count("pk")))
+    for model, count in DecisionTally.objects.filter(verdict=verdict, model__in=models).values_list("model", "count"):
+        kept[model] = kept.get(model, 0) + count
+    return kept
 
 
 def _owners(snapshot: Snapshot) -> dict:

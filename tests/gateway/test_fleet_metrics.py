@@ -93,6 +93,22 @@ def fleet(db):
     cache.delete_many([load._used_key("served-model"), health.LAST_PASS_KEY])
 
 
+def test_the_preempted_counter_never_goes_down_when_the_history_is_trimmed(fleet, settings):
+    from scheduler import placement_service
+    from scheduler.models import DecisionTally
+
+    before = value(samples(fleet_metrics.render()), "berth_model_preempted_total", model="starved-model")
+    settings.SCHEDULER_DECISION_HISTORY = 3
+    for _ in range(5):  # the newest three stay; the two preemptions and the oldest of these go
+        decision("served-model", PlacementDecision.Verdict.PLACED)
+    decision("starved-model", PlacementDecision.Verdict.PREEMPTED)
+    assert placement_service.trim_history() > 0
+    assert PlacementDecision.objects.filter(model="starved-model", verdict="preempted").count() == 1  # the new one
+    assert DecisionTally.objects.get(model="starved-model", verdict="preempted").count == 2
+    after = value(samples(fleet_metrics.render()), "berth_model_preempted_total", model="starved-model")
+    assert (before, after) == (2, 3)  # two tallied, one kept: nothing lost, no fall Prometheus would call a reset
+
+
 def test_model_series(fleet):
     found = samples(fleet_metrics.render())
     assert value(found, "berth_fleet_metrics_up") == 1
