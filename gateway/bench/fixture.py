@@ -63,7 +63,10 @@ def berth_fixture(stub_port: int) -> dict:
     client = clients.create_client(actor, project, "bench", all_models=True, access="inference", **big)
     _, key = clients.create_credential(actor, client)
     node = register_node(NodeReport(name=f"{slug}-node", address="127.0.0.1"))
-    deployment = Deployment.objects.create(name="bench-model", model_path="/stub", node=node, state="ready")
+    # The stub answers any number at once: as many slots as llama.cpp takes, so the gateway's slot gate
+    # (gateway.slots) never holds a request back and what is measured is the gateway's own cost.
+    deployment = Deployment.objects.create(name="bench-model", model_path="/stub", node=node, state="ready",
+                                           config={"parallel": 256})
     Replica.objects.create(deployment=deployment, node=node, port=stub_port, state="ready")
     return {"key": key, "org": org, "team": team, "project": project, "client": client, "node": node,
             "deployment": deployment}
