@@ -14,6 +14,18 @@ from typing import Any, Callable, Iterable
 Accessor = str | Callable[[Any], Any]
 
 
+def read(accessor: Accessor, row: Any) -> Any:
+    """``accessor`` applied to ``row``: called, or followed as a dotted path (None past a missing step)."""
+    if callable(accessor):
+        return accessor(row)
+    value = row
+    for part in accessor.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Column:
     header: str
@@ -32,14 +44,7 @@ class Column:
         return self.sort is not False
 
     def read(self, row: Any) -> Any:
-        if callable(self.value):
-            return self.value(row)
-        value = row
-        for part in self.value.split("."):
-            value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
-            if value is None:
-                return None
-        return value
+        return read(self.value, row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +74,21 @@ class Table:
             for row, values in zip(self.rows, raw)
         ]
 
+    @property
+    def sortable(self) -> bool:
+        """Whether sorting means anything: two rows or more."""
+        return len(self.lines) > 1
+
     @staticmethod
     def _cell(column: Column, row: Any, value: Any) -> Cell:
         absent = value is None or value == ""
         text = column.empty if absent else str(value)
         href = column.link(row) if column.link and not absent else None
         return Cell(text=text, href=href, numeric=column.numeric, absent=absent, action=column.action,
-                    sort=Table._sort_key(column, row, value, text))
+                    sort=Table._sort_key(column, row, value))
 
     @staticmethod
-    def _sort_key(column: Column, row: Any, value: Any, text: str) -> str:
+    def _sort_key(column: Column, row: Any, value: Any) -> str:
         """The cell's sort key when the text would sort wrongly: a raw number, or the column's own
         accessor's value ("" where the text does: the browser sorts by the text)."""
         if not column.sortable:
@@ -86,7 +96,7 @@ class Table:
         if column.sort is True:
             key = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         else:
-            key = Column(column.header, column.sort).read(row)
+            key = read(column.sort, row)
         if key is None:
             return ""
         return str(key.timestamp()) if hasattr(key, "timestamp") else str(key)

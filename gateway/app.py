@@ -617,7 +617,7 @@ class Gateway:
             if output_cap is not None:  # the request named no limit: the model's cap is its limit
                 payload[bodies.cap_field(endpoint)] = output_cap
                 changed = True
-            if route.endpoints and all(e.by_priority for e in route.endpoints):
+            if route.by_priority:
                 payload["priority"] = RANK.get(principal.priority, RANK["normal"])  # vLLM: lower is sooner
                 changed = True
             if stream and endpoint in ASKS_USAGE:
@@ -630,7 +630,7 @@ class Gateway:
                 body = orjson.dumps(payload)
             watcher = asyncio.get_running_loop().create_task(self._watch(call, asyncio.current_task()))
             # Every slot busy: it waits its turn by its client's priority, not the engine's arrival order.
-            async with self.slots.slot(route.name, sum(e.slots for e in route.endpoints), principal.priority):
+            async with self.slots.slot(route.name, route.slots, principal.priority):
                 await self._forward(call, route, upstream_path, body)
         finally:
             if watcher is not None:

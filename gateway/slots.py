@@ -45,10 +45,11 @@ class SlotGate:
 
     async def acquire(self, model: str, capacity: int, priority: str) -> None:
         self.capacity[model] = capacity = max(1, capacity)
-        queue = self.waiting.setdefault(model, [])
-        if self.busy.get(model, 0) < capacity and not self.waiters(model):
-            self.busy[model] = self.busy.get(model, 0) + 1
+        busy = self.busy.get(model, 0)
+        if busy < capacity and model not in self.waiting:  # (``waiting`` holds only models someone waits for)
+            self.busy[model] = busy + 1
             return
+        queue = self.waiting.setdefault(model, [])
         rank = RANK.get(priority, RANK["normal"])
         live = [entry for entry in queue if not entry[2].done()]
         if len(live) >= self.queue_size:

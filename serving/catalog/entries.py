@@ -198,7 +198,7 @@ def import_package(actor: Actor, package: str, *, name: str | None = None, owner
 
 def served_path(entry: ModelEntry, profile: str | None = None) -> Path:
     """The file (or folder) a profile serves — never a quarantined or unverified one."""
-    chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None)
+    chosen = profiles.named(entry, profile)
     if chosen is None:
         raise NotServable(f"{entry.name} has no profile {profile!r}.")
     path = Path(chosen.get("file") or "")

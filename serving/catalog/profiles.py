@@ -97,6 +97,11 @@ def constrained(model, entry):
                                minimal=tuple(apply(p) for p in model.minimal), weights_key=weights_key(entry))
 
 
+def named(entry, name: str | None) -> dict | None:
+    """The entry's profile called ``name`` (for None, its first), or None when it has no such profile."""
+    return next((p for p in entry.profiles or [] if name in (None, p.get("name"))), None)
+
+
 def first(entry) -> dict:
     """The profile a model goes by where one is needed (its card's servability and estimate, load
     scaling's capacity): the first; empty when it has none."""

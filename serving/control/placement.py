@@ -67,7 +67,7 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
     one that failed.
     ``waits_for`` names replicas stopped to make room: the new one starts once they have; ``shards``
     are a tensor-parallel replica's further accelerators (after ``accelerator``, on the same node)."""
-    chosen = next((p for p in entry.profiles if profile in (None, p.get("name"))), None) or {}
+    chosen = profiles.named(entry, profile) or {}
     kind, path = profiles.engine(chosen), catalog_entries.served_path(entry, chosen.get("name"))
     config = profiles.engine_config(chosen)
     if level >= recovery.MINIMAL_FOOTPRINT:

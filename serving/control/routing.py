@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 
 from serving.catalog import profiles
@@ -46,6 +47,18 @@ class ModelRoute:
     # The engine kinds it runs on (its coming-up and up deployments'), or before any, its catalog
     # profiles': a route none of them serves is refused before anything is loaded.
     engines: frozenset[str] = frozenset()
+
+    # Read on every request: worked out once per route (a table's routes live until it is read again;
+    # a narrowed copy works its own out).
+    @functools.cached_property
+    def slots(self) -> int:
+        """Requests its ready replicas serve at once, together."""
+        return sum(e.slots for e in self.endpoints)
+
+    @functools.cached_property
+    def by_priority(self) -> bool:
+        """Whether every ready replica orders what it is sent by each request's ``priority``."""
+        return bool(self.endpoints) and all(e.by_priority for e in self.endpoints)
 
     def admits(self, project_path: str) -> bool:
         """Whether a client of ``project_path`` may reach this model at all (before its own rules)."""

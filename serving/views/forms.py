@@ -74,7 +74,7 @@ class DeployForm(forms.Form):
         entry = form.entries.get(public_id)
         if entry is None:
             return form
-        chosen = next((p for p in entry.profiles if p.get("name") == profile), None) or profiles.first(entry)
+        chosen = profiles.named(entry, profile or None) or profiles.first(entry)
         kind = profiles.engine(chosen)
         config = profiles.engine_config(chosen)
         if entry.draft:
