@@ -39,7 +39,7 @@ def navigation(request):
     namespace, name = (match.namespace, match.url_name) if match else (None, None)
     path = request.path
     staff = reach.sees_everything(getattr(request, "user", None))
-    areas, sections = [], []
+    areas, sections, trail = [], [], []
     for key, label, url_name, area_sections in AREAS:
         active = namespace == key if key else (namespace == "" and name == "dashboard")
         url = reverse(url_name)
@@ -47,6 +47,7 @@ def navigation(request):
                       "current": _mark(url, path, active)})
         if not active:
             continue
+        trail.append((label, url))
         marked = False
         for section_label, section_url, fragment, members, staff_only in area_sections:
             if staff_only and not staff:
@@ -57,7 +58,10 @@ def navigation(request):
             marked = marked or here
             sections.append({"label": section_label, "url": url + fragment, "active": here,
                              "current": _mark(url, path, here) if not fragment else ""})
-    return {"nav_areas": areas, "nav_sections": sections,
+            if here:
+                trail.append((section_label, url))
+    # A record page's breadcrumbs start where the navigation stands (berth/breadcrumbs.html).
+    return {"nav_areas": areas, "nav_sections": sections, "nav_trail": trail,
             "nav_area_label": next((a["label"] for a in areas if a["active"]), "")}
 
 

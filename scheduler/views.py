@@ -98,8 +98,7 @@ class NodeDetailView(FleetMixin, ConsolePage):
         context["can_act"] = reach.sees_everything(self.request.user)
         context["labels_text"] = "\n".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items()))
         context["actions"] = [verb for verb, (allowed, _) in services._TRANSITIONS.items() if node.state in allowed]
-        context["breadcrumbs"] = [("Fleet", reverse("scheduler:index")), ("Nodes", reverse("scheduler:index")),
-                                  (node.name, self.request.path)]
+        context["breadcrumbs"] = [(node.name, self.request.path)]  # after Fleet › Nodes (the navigation's)
         return context
 
 

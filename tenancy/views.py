@@ -47,13 +47,13 @@ def client_url(client) -> str:
     return reverse("tenancy:client", args=[client.public_id])
 
 
-# A record's page is reached from Organisations, then the list it belongs to (berth/breadcrumbs.html).
+# A record's trail after Organisations (the navigation's, berth/breadcrumbs.html): the list it belongs to.
 def tree_crumbs() -> list[tuple[str, str]]:
-    return [("Organisations", reverse("tenancy:index")), ("Tree", reverse("tenancy:index"))]
+    return [("Tree", reverse("tenancy:index"))]
 
 
 def client_crumbs(request, client) -> list[tuple[str, str]]:
-    return [("Organisations", reverse("tenancy:index")), ("Service clients", reverse("tenancy:clients")),
+    return [("Service clients", reverse("tenancy:clients")),
             *scope_crumbs(request.user, client.project), (client.name, client_url(client))]
 
 
@@ -568,8 +568,7 @@ class ApprovalView(ConsolePage):
         context = super().get_context_data(**kwargs)
         approval = self.get_object()
         context["card"] = approval_card(self.request, approval)
-        context["breadcrumbs"] = [("Organisations", reverse("tenancy:index")),
-                                  ("Approvals", reverse("tenancy:approvals")),
+        context["breadcrumbs"] = [("Approvals", reverse("tenancy:approvals")),
                                   (f"{approval.action} on {approval.subject_repr}", self.request.path)]
         return context
 

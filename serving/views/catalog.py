@@ -6,7 +6,6 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.shortcuts import redirect
-from django.urls import reverse
 from django.views import View
 
 from berth.errors import BerthError
@@ -96,8 +95,7 @@ class ModelCardView(EntryMixin, ConsolePage):
                        may_change=placing.may_change(self.request.user, entry),
                        owners=owners, may_share=access.is_superuser(self.request.user),
                        classes=ModelEntry.ServiceClass.choices, default_idle=ModelEntry.DEFAULT_IDLE_SECONDS,
-                       breadcrumbs=[("Models", reverse("serving:catalog-held")),
-                                    ("Catalog", reverse("serving:catalog-held")), (entry.name, self.request.path)])
+                       breadcrumbs=[(entry.name, self.request.path)])  # after Models › Catalog
         return context
 
     def post(self, request, public_id):
@@ -253,9 +251,7 @@ class JobView(ConsolePage):
         job = self.get_object()
         running = job.status in (FetchJob.Status.QUEUED, FetchJob.Status.RUNNING)
         context.update(job=job, polling=running, tab="fetch",
-                       breadcrumbs=[("Models", reverse("serving:catalog-held")),
-                                    ("Catalog", reverse("serving:catalog-held")),
-                                    (f"{job.get_kind_display()} {job.repo}", self.request.path)])
+                       breadcrumbs=[(f"{job.get_kind_display()} {job.repo}", self.request.path)])
         return context
 
     def render_to_response(self, context, **kwargs):

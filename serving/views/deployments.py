@@ -67,8 +67,7 @@ class DeploymentView(DeploymentMixin, ConsolePage):
         context = super().get_context_data(**kwargs)
         deployment = self.get_object()
         context.update(deployment_context(self.request, deployment))
-        context["breadcrumbs"] = [("Models", reverse("serving:catalog-held")),
-                                  ("Deployments", reverse("serving:index")), (deployment.name, self.request.path)]
+        context["breadcrumbs"] = [(deployment.name, self.request.path)]  # after Models › Deployments
         return context
 
 
