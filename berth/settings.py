@@ -211,6 +211,9 @@ else:
     }
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_DEFAULT_QUEUE = "control"
+# Batches run for hours: on a queue of their own, so they never hold the control worker's slots.
+BATCH_QUEUE = "batch"
+CELERY_TASK_ROUTES = {"gateway.run_batch": {"queue": BATCH_QUEUE}}
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -221,6 +224,8 @@ CELERY_BEAT_SCHEDULE = {
     "serving: lost nodes, idle on-demand models, the placement plan": {"task": "serving.reconcile",
                                                                          "schedule": 15.0},
     "gateway: write usage parked while the database refused it": {"task": "gateway.retry_usage", "schedule": 60.0},
+    "gateway: batches without a live worker, expired windows, files past retention": {
+        "task": "gateway.sweep_batches", "schedule": 10.0},
 }
 # Backups (berth/backup.py): where `manage.py backup` writes its archives and how many of the newest it
 # keeps; with a directory set, beat takes one a day.
@@ -328,6 +333,16 @@ GATEWAY_INTERNAL_URL = env.string("BERTH_GATEWAY_INTERNAL_URL", "")
 # Where the control worker reaches the gateway (serve_model's smoke request): the same address when
 # set, else the web server that `manage.py serve` (and `make up`) runs on this machine.
 SERVING_GATEWAY_URL = GATEWAY_INTERNAL_URL or "http://127.0.0.1:8000"
+# The Batch API (gateway.batch): files under the data directory, run by the control worker through the
+# gateway above (SERVING_GATEWAY_URL) at the batch priority, this many of a batch's requests at a time.
+BATCH_DIR = DATA_DIR / "batches"
+BATCH_MAX_FILE_BYTES = env.integer("BERTH_BATCH_MAX_FILE_BYTES", 200 * 1024 * 1024, minimum=1024)
+BATCH_MAX_LINES = env.integer("BERTH_BATCH_MAX_LINES", 50_000, minimum=1, maximum=1_000_000)
+BATCH_CONCURRENCY = env.integer("BERTH_BATCH_CONCURRENCY", 8, minimum=1, maximum=256)
+# A worker renews its hold on a batch while it runs it; one that died is taken over when this lapses.
+BATCH_LEASE_SECONDS = env.integer("BERTH_BATCH_LEASE_SECONDS", 30, minimum=2, maximum=3600)
+# Files (inputs, outputs, errors) and ended batches with their answers are deleted this long after.
+BATCH_RETENTION_DAYS = env.integer("BERTH_BATCH_RETENTION_DAYS", 30, minimum=1, maximum=3650)
 
 # Serving: engines and runtimes
 # Model files a deployment may name are SCHEDULER_MODEL_ROOTS (BERTH_MODEL_ROOTS), the estimate's too.

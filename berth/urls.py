@@ -23,6 +23,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("v1/", include("gateway.batch.urls")),  # the Batch API: Django's (berth.asgi routes these here)
     path("api/", include(api_patterns)),
     path("gateway/", include("gateway.urls")),
     path("models/", include("serving.urls")),

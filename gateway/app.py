@@ -39,11 +39,14 @@ from django.conf import settings
 
 from berth.errors import BerthError
 from gateway import bodies, fleet_metrics, metrics, routes, splits, tracing
-from gateway.auth import AuthCache, Principal
+from gateway.auth import BATCH, AuthCache, Principal, load_batch_principal
+from gateway.batch import lines
 from gateway.errors import (
     ANTHROPIC_ERROR_TYPES,
     ERROR_TYPES,
     BadRequest,
+    BatchLineTaken,
+    BatchSignatureInvalid,
     EndpointNotFound,
     EnvironmentNotAllowed,
     InferenceNotAllowed,
@@ -119,7 +122,7 @@ class Call:
                  "authorization", "api_key", "content_length", "principal", "endpoint", "model_asked", "model_label",
                  "replica_id", "status", "error_code", "queue_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
                  "stream", "extra_headers", "response_started", "finished", "disconnected", "saw_done",
-                 "traceparent", "span")
+                 "traceparent", "span", "batch_header", "batch")
 
     def __init__(self, scope, receive, send):
         self.receive = receive
@@ -132,6 +135,8 @@ class Call:
         self.api_key = None  # ``x-api-key``, as Anthropic's clients send the key
         self.content_length = None
         self.traceparent = None  # the client's W3C trace context, continued (``gateway.tracing``)
+        self.batch_header = None  # a batch's line, sent by the worker running it (``gateway.batch.lines``)
+        self.batch = None
         request_id = None
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -144,6 +149,8 @@ class Call:
                 self.content_length = value
             elif name == b"traceparent":
                 self.traceparent = value.decode("latin-1")
+            elif name == lines.HEADER:
+                self.batch_header = value
         if request_id is not None:
             try:
                 request_id = request_id.decode("ascii")
@@ -181,6 +188,12 @@ class Call:
             hdrs += self.extra_headers
         if headers:
             hdrs += headers
+        if self.batch is not None and self.batch.claimed:  # kept before the worker hears it (it may be gone)
+            try:
+                await run_db(lines.settle, self.batch, status, body, self.error_code)
+            except Exception as exc:  # noqa: BLE001 - the line stays running: its worker reports it interrupted
+                log.warning("request %s: the answer of batch line %s:%s could not be kept: %r", self.request_id,
+                            self.batch.batch, self.batch.index, exc)
         self.response_started = True
         self.finished = True
         await self.send({"type": "http.response.start", "status": status, "headers": hdrs})
@@ -498,6 +511,13 @@ class Gateway:
             return await self._authenticate(call)
 
     async def _authenticate(self, call: Call) -> Principal:
+        if call.batch_header is not None:  # a batch's line: its key's principal at the batch priority
+            call.batch = lines.verify(call.batch_header)
+            if call.batch is None:
+                raise BatchSignatureInvalid("The x-berth-batch header's signature does not hold.")
+            principal = await self.auth.principal(BATCH + call.batch.batch, load_batch_principal)
+            call.principal = principal
+            return principal
         if call.authorization is not None:
             plaintext = credential_from_header(call.authorization.decode("latin-1"))
         elif call.api_key is not None and call.api_key.strip():
@@ -562,6 +582,8 @@ class Gateway:
                 raise BadRequest(f"`{field}` is required.", param=field)
         bodies.check(endpoint, payload)
         stream = endpoint in STREAMING and payload.get("stream") is True
+        if stream and call.batch is not None:
+            raise BadRequest("A batch's requests cannot stream.", param="stream")
         call.stream = stream
         if not principal.allows(model):
             raise ModelNotAllowed(f"This key may not use the model {shown(model)!r}.", details={"model": shown(model)})
@@ -628,10 +650,14 @@ class Gateway:
                     changed = True
             if changed:
                 body = orjson.dumps(payload)
-            watcher = asyncio.get_running_loop().create_task(self._watch(call, asyncio.current_task()))
+            if call.batch is None:  # a batch's line is finished and kept even when its worker has gone
+                watcher = asyncio.get_running_loop().create_task(self._watch(call, asyncio.current_task()))
             # Every slot busy: it waits its turn by its client's priority, not the engine's arrival order.
             async with self.slots.slot(route.name, route.slots, principal.priority):
-                await self._forward(call, route, upstream_path, body)
+                if call.batch is None:
+                    await self._forward(call, route, upstream_path, body)
+                else:
+                    await self._forward_line(call, route, upstream_path, body)
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -773,6 +799,19 @@ class Gateway:
                 self.balancer.end(endpoint)
                 upstream.end()
             return
+
+    async def _forward_line(self, call: Call, route: routing.ModelRoute, upstream_path: str, body: bytes) -> None:
+        """A batch's line: claimed just before an engine hears it (never sent twice), its claim given
+        back when no engine ran it (sent again later); its answer is kept as it is answered."""
+        if not await run_db(lines.claim, call.batch, call.request_id):
+            raise BatchLineTaken("This line of the batch was already sent, or its batch is not running.",
+                                 details={"batch": call.batch.batch, "index": call.batch.index})
+        try:
+            await self._forward(call, route, upstream_path, body)
+        except BerthError as error:
+            if error.code in lines.NOT_SENT:
+                await run_db(lines.give_back, call.batch)
+            raise
 
     async def _relay_whole(self, call: Call, response: aiohttp.ClientResponse, route: routing.ModelRoute) -> None:
         try:

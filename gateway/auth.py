@@ -31,6 +31,7 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from berth.errors import BerthError
+from gateway.batch import lines
 from gateway.errors import DatabaseUnavailable
 from gateway.limits import Budget, Level, Plan
 from gateway.threads import run_db
@@ -68,7 +69,22 @@ class Principal:
 
 def load_principal(plaintext: str) -> tuple[Principal, float | None]:
     """(principal, expiry as a Unix time or None) for a key; raises Tenancy's refusals. Database."""
-    credential = clients.authenticate(plaintext)
+    return principal_of(clients.authenticate(plaintext))
+
+
+BATCH = "batch:"  # what a batch's principal is cached under: "batch:<id>" (no key starts so)
+
+
+def load_batch_principal(name: str) -> tuple[Principal, float | None]:
+    """The principal of a batch's requests (``name`` is "batch:<id>"): its key's, at the batch priority
+    (``gateway.batch.lines``). Database."""
+    principal, expires_at = principal_of(lines.credential_of(name.removeprefix(BATCH)))
+    return dataclasses.replace(principal, priority="batch"), expires_at
+
+
+def principal_of(credential) -> tuple[Principal, float | None]:
+    """(principal, expiry as a Unix time or None) of a credential already checked usable (with its
+    client and project loaded). Database: the contracts up the tree."""
     client = credential.client
     project = client.project
     chain = {contract.scope.path: contract for contract in contracts.limit_chain(project)}
@@ -117,7 +133,8 @@ class AuthCache:
         self._generation = 0
         self._warned_at = float("-inf")
 
-    async def principal(self, plaintext: str) -> Principal:
+    async def principal(self, plaintext: str, loader=load_principal) -> Principal:
+        """The principal of a key (or, with ``load_batch_principal``, of a batch's requests)."""
         digest = hashlib.blake2b(plaintext.encode(), digest_size=16).digest()
         entry = self._entries.get(digest)
         now = time.monotonic()
@@ -125,14 +142,15 @@ class AuthCache:
             return _answer(entry[2])
         pending = self._inflight.get(digest)
         if pending is None:
-            pending = asyncio.get_running_loop().create_task(self._load(plaintext, digest, now, self._generation))
+            pending = asyncio.get_running_loop().create_task(self._load(plaintext, digest, now, self._generation,
+                                                                        loader))
             self._inflight[digest] = pending
             pending.add_done_callback(lambda done: self._inflight.get(digest) is done and self._inflight.pop(digest))
         return await asyncio.shield(pending)
 
-    async def _load(self, plaintext: str, digest: bytes, started: float, generation: int) -> Principal:
+    async def _load(self, plaintext: str, digest: bytes, started: float, generation: int, loader) -> Principal:
         try:
-            principal, expires_at = await run_db(load_principal, plaintext)
+            principal, expires_at = await run_db(loader, plaintext)
         except BerthError as refusal:
             if generation == self._generation:
                 # A refusal is not kept for an outage: a flood of bad keys must not pile up for minutes.

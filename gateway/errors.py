@@ -1,7 +1,8 @@
 """Error codes of the gateway app. Under /v1/ they are rendered in OpenAI's shape
 (``{"error": {"message", "type", "code", "param"}}``); clients branch on ``code``, never reword one."""
 
-from berth.errors import BerthError, InvalidInput, NotAuthenticated, NotFound, PermissionDenied, Unavailable
+from berth.errors import (BerthError, Conflict, InvalidInput, NotAuthenticated, NotFound, PermissionDenied,
+                          Unavailable)
 
 SHOWN_NAME = 100  # characters of what a caller sent (a model name, a value) echoed in an error
 
@@ -148,15 +149,54 @@ class DatabaseUnavailable(Unavailable):
         self.headers = [(b"retry-after", str(retry_after).encode())]
 
 
+# The Batch API (``gateway.batch``).
+
+class InvalidBatchFile(BadRequest):
+    """A batch input that is not what ``/v1/batches`` can run; ``details`` name the line and why."""
+
+    code = "invalid_batch_file"
+
+
+class FileNotFound(NotFound):
+    """Also another client's file: never confirmed to exist."""
+
+    code = "file_not_found"
+
+
+class FileInUse(Conflict):
+    code = "file_in_use"
+
+
+class BatchNotFound(NotFound):
+    code = "batch_not_found"
+
+
+class BatchEnded(Conflict):
+    """Cancelling a batch that has already ended."""
+
+    code = "batch_ended"
+
+
+class BatchSignatureInvalid(NotAuthenticated):
+    code = "invalid_batch_signature"
+
+
+class BatchLineTaken(Conflict):
+    """A batch's line already sent (or being sent): never sent twice."""
+
+    code = "batch_line_taken"
+
+
 # OpenAI's ``type`` for each status, so clients that switch on it behave as with OpenAI.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
+               404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+               413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
                502: "api_error", 503: "service_unavailable", 504: "timeout"}
 
 # Anthropic's ``error.type`` for each status, for the Messages routes (``{"type": "error", "error":
 # {"type", "message"}}``), so Anthropic's clients raise the error class they would against Anthropic.
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                         404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                         404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                         413: "request_too_large",
                          422: "invalid_request_error", 429: "rate_limit_error", 499: "api_error",
                          502: "api_error", 503: "overloaded_error", 504: "timeout_error"}

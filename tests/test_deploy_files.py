@@ -46,12 +46,12 @@ def env_file_names(path: Path) -> list[str]:
 
 def test_compose_runs_the_control_plane_and_an_agent_from_this_checkout():
     services = compose()["services"]
-    assert {"postgres", "redis", "web", "worker", "beat", "agent"} <= set(services)
+    assert {"postgres", "redis", "web", "worker", "batch-worker", "beat", "agent"} <= set(services)
     for name, service in services.items():
         assert "image" in service or "build" in service, name
         for needed in service.get("depends_on", {}) or {}:
             assert needed in services, f"{name} depends on unknown service {needed}"
-    for name in ("web", "worker", "beat", "agent", "migrate"):
+    for name in ("web", "worker", "batch-worker", "beat", "agent", "migrate"):
         assert services[name]["build"] == {"context": "..", "dockerfile": "deploy/Dockerfile"}
         assert (COMPOSE.parent / services[name]["build"]["context"] / services[name]["build"]["dockerfile"]).is_file()
     assert services["agent"]["profiles"] == ["agent"]
@@ -64,6 +64,9 @@ def test_compose_commands_are_the_ones_berth_runs():
     worker = services["worker"]["command"]
     assert worker[:6] == ["python", "-m", "celery", "-A", "berth.celery", "worker"]
     assert worker[worker.index("-Q") + 1] == settings.CELERY_TASK_DEFAULT_QUEUE
+    batches = services["batch-worker"]["command"]
+    assert batches[:6] == worker[:6] and batches[batches.index("-Q") + 1] == settings.BATCH_QUEUE
+    assert settings.CELERY_TASK_ROUTES["gateway.run_batch"]["queue"] == settings.BATCH_QUEUE
     beat = services["beat"]["command"]
     assert beat[5] == "beat" and beat[beat.index("--scheduler") + 1] == settings.CELERY_BEAT_SCHEDULER
     assert services["agent"]["command"] == ["python", "manage.py", "agent"]

@@ -56,7 +56,7 @@ def test_serve_runs_web_worker_and_beat_and_ctrl_c_stops_them_all(tmp_path):
                        what="the Celery worker ready")
             text = output.read_text()
             pids = {name: int(pid) for name, pid in re.findall(r"started (\w+) \(pid (\d+)\)", text)}
-            assert set(pids) == {"web", "worker", "beat", "agent"}
+            assert set(pids) == {"web", "worker", "batches", "beat", "agent"}
             group.send_signal(signal.SIGINT)  # what Ctrl-C delivers
             assert group.wait(timeout=60) == 0, output.read_text()[-3000:]
         finally:

@@ -273,13 +273,22 @@ def authenticate(plaintext: str) -> Credential:
     if not keys.matches(secret, credential.secret_hash):
         raise InvalidApiKey("Invalid API key.")
     now = timezone.now()
+    usable(credential, now)
+    touch(credential, now)
+    return credential
+
+
+def usable(credential: Credential, now=None) -> Credential:
+    """``credential`` if it may still be used (not revoked, not expired, its client enabled), else the
+    refusal: what a key's every use checks, and what work done later on a key's behalf (a batch's
+    requests) checks again each time."""
+    now = now or timezone.now()
     if credential.revoked_at is not None:
         raise ApiKeyRevoked("This API key was revoked.")
     if credential.expires_at is not None and credential.expires_at <= now:
         raise ApiKeyExpired("This API key has expired.")
     if not credential.client.is_active:
         raise ClientDisabled("The service client of this key is disabled.")
-    touch(credential, now)
     return credential
 
 

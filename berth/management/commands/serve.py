@@ -19,7 +19,8 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1", help="Address the web server binds (default 127.0.0.1).")
         parser.add_argument("--port", type=int, default=8000, help="Port of the web server (default 8000).")
         parser.add_argument("--concurrency", type=int, default=2, help="Worker processes of the Celery worker.")
-        parser.add_argument("--no-worker", action="store_true", help="Do not run the Celery worker.")
+        parser.add_argument("--no-worker", action="store_true",
+                            help="Do not run the Celery workers (the control one and the batch one).")
         parser.add_argument("--no-beat", action="store_true", help="Do not run Celery beat.")
         parser.add_argument("--no-agent", action="store_true", help="Do not run this machine's node agent.")
 
@@ -36,6 +37,9 @@ class Command(BaseCommand):
             programs["worker"] = [*celery, "worker", "-Q", settings.CELERY_TASK_DEFAULT_QUEUE, "-n", "control@%h",
                                   "--concurrency", str(concurrency), "--loglevel", level, "--without-mingle",
                                   "--without-gossip"]
+            # The Batch API's runs (gateway.batch.runner): threads, each waiting on the gateway most of the time.
+            programs["batches"] = [*celery, "worker", "-Q", settings.BATCH_QUEUE, "-n", "batch@%h", "--pool", "threads",
+                                   "--concurrency", "4", "--loglevel", level, "--without-mingle", "--without-gossip"]
         if not no_beat:
             programs["beat"] = [*celery, "beat", "--loglevel", level,
                                 "--scheduler", "django_celery_beat.schedulers:DatabaseScheduler"]
