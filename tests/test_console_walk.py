@@ -22,7 +22,7 @@ from tests.assets.world import build_world, leaked
 
 pytestmark = pytest.mark.django_db
 
-NOT_CONSOLE = ("api/", "admin/", "static", "healthz", "readyz", "login/", "logout/")
+NOT_CONSOLE = ("api/", "v1/", "admin/", "static", "healthz", "readyz", "login/", "logout/")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,9 +11,11 @@ import logging
 import re
 from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from berth.celery import app
 from gateway.batch import files
 from gateway.errors import (BadRequest, BatchEnded, BatchNotFound, FileInUse, FileNotFound, ModelNotAllowed, shown)
 from gateway.models import Batch, BatchFile
@@ -26,6 +28,7 @@ _WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")
 MAX_WINDOW_HOURS = 168
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 LIST_LIMIT = 100
+RUN_BATCH = "gateway.run_batch"
 
 
 def _ts(moment) -> int | None:
@@ -156,11 +159,10 @@ def _metadata(value) -> dict:
 
 
 def enqueue(public_id: str) -> None:
-    """Ask a worker to run it now; when the broker cannot be reached the sweep starts it later."""
-    from gateway import tasks
-
+    """Ask a worker to run it now; when the broker cannot be reached the sweep starts it later. Sent by
+    task name (``gateway.tasks`` registers it), so this module does not import the tasks calling it."""
     try:
-        tasks.run_batch.delay(public_id)
+        app.send_task(RUN_BATCH, args=[public_id], queue=settings.BATCH_QUEUE)
     except Exception as exc:  # noqa: BLE001 - the periodic sweep finds every batch without a runner
         log.warning("batch %s: could not queue its run now (%s); the sweep starts it", public_id, exc)
 
