@@ -2,7 +2,7 @@
 
 The request path appends a plain dict to a list (no I/O); a task flushes the list every
 ``GATEWAY_USAGE_FLUSH_MS`` or at ``GATEWAY_USAGE_BATCH`` records, in a database thread, with one
-``bulk_create``. A batch the database refuses is parked on a Redis list and retried by the Celery
+``COPY`` (``bulk_create`` on SQLite). A batch the database refuses is parked on a Redis list and retried by the Celery
 task ``gateway.tasks.retry_usage`` (or ``manage.py gateway_usage --retry``). Records carry no
 request or response content, by construction: the dict has no field for it.
 """
@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from decimal import Decimal
 
 import orjson
+from django.db import connection, transaction
 
 from gateway.models import ModelPrice, UsageRecord
 from gateway.threads import run_db
@@ -36,24 +37,44 @@ def _prices(models: set[str]) -> dict[str, tuple[Decimal, Decimal]]:
             for row in ModelPrice.objects.filter(model_name__in=models)}
 
 
+COLUMNS = FIELDS + ("cost",)
+
+
+def _values(row: dict, prices: dict[str, tuple[Decimal, Decimal]]) -> tuple:
+    """One record's column values in ``COLUMNS`` order, priced."""
+    values = {name: row.get(name) for name in FIELDS}
+    for name in ("started_at", "finished_at"):
+        if isinstance(values[name], (int, float)):
+            values[name] = datetime.fromtimestamp(values[name], timezone.utc)
+    for name in ("model_asked", "model_served", "error_code", "key_prefix", "scope_path", "endpoint"):
+        values[name] = values[name] or ""
+    price = prices.get(values["model_served"])
+    cost = None
+    if price is not None and (values["prompt_tokens"] is not None or values["completion_tokens"] is not None):
+        cost = (Decimal(values["prompt_tokens"] or 0) * price[0]
+                + Decimal(values["completion_tokens"] or 0) * price[1]) / 1000
+    return (*(values[name] for name in FIELDS), cost)
+
+
 def write_batch(rows: list[dict]) -> int:
-    """Insert ``rows`` (dicts of ``FIELDS``, times as Unix seconds), pricing them. Database."""
+    """Insert ``rows`` (dicts of ``FIELDS``, times as Unix seconds), pricing them, all or none.
+    Database. On PostgreSQL with one ``COPY`` (a tenth of ``bulk_create``'s cost a record, which
+    the gateway's process would otherwise spend beside its requests); elsewhere ``bulk_create``."""
     prices = _prices({row["model_served"] for row in rows if row.get("model_served")})
-    records = []
-    for row in rows:
-        values = {name: row.get(name) for name in FIELDS}
-        for name in ("started_at", "finished_at"):
-            if isinstance(values[name], (int, float)):
-                values[name] = datetime.fromtimestamp(values[name], timezone.utc)
-        for name in ("model_asked", "model_served", "error_code", "key_prefix", "scope_path", "endpoint"):
-            values[name] = values[name] or ""
-        price = prices.get(values["model_served"])
-        if price is not None and (values["prompt_tokens"] is not None or values["completion_tokens"] is not None):
-            values["cost"] = (Decimal(values["prompt_tokens"] or 0) * price[0]
-                              + Decimal(values["completion_tokens"] or 0) * price[1]) / 1000
-        records.append(UsageRecord(**values))
-    UsageRecord.objects.bulk_create(records, batch_size=1000)
-    return len(records)
+    values = [_values(row, prices) for row in rows]
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            meta = UsageRecord._meta
+            columns = ", ".join(connection.ops.quote_name(meta.get_field(name).column) for name in COLUMNS)
+            with connection.cursor() as cursor:
+                with cursor.cursor.copy(f"COPY {connection.ops.quote_name(meta.db_table)} ({columns}) FROM STDIN") \
+                        as copy:
+                    for record in values:
+                        copy.write_row(record)
+        else:
+            UsageRecord.objects.bulk_create([UsageRecord(**dict(zip(COLUMNS, record))) for record in values],
+                                            batch_size=1000)
+    return len(values)
 
 
 def _tell_serving(rows: list[dict]) -> None:
