@@ -254,7 +254,8 @@ class Gateway:
         self.ready = False
         self._starting: asyncio.Lock | None = None
         self._tasks: list[asyncio.Task] = []
-        self.waiting: dict[str, dict[int, float]] = {}  # model → {call id: when it began waiting}
+        # model → {call id: (when it began waiting, whether at the batch priority)}
+        self.waiting: dict[str, dict[int, tuple[float, bool]]] = {}
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -403,12 +404,13 @@ class Gateway:
             while True:
                 await asyncio.sleep(load.PUBLISH_EVERY_S)
                 busy = dict(self.balancer.outstanding)
-                waiting = {m: len(began) for m, began in self.waiting.items() if began}
-                since = {m: min(began.values()) for m, began in self.waiting.items() if began}
+                waiting = {m: len(calls) for m, calls in self.waiting.items() if calls}
+                since = {m: min(began for began, _ in calls.values()) for m, calls in self.waiting.items() if calls}
+                batch = {m: sum(b for _, b in calls.values()) for m, calls in self.waiting.items() if calls}
                 if not busy and not waiting and not reported:
                     continue
                 try:
-                    await run_db(load.publish, process, busy, waiting, waiting_since=since)
+                    await run_db(load.publish, process, busy, waiting, waiting_since=since, waiting_batch=batch)
                     reported = bool(busy or waiting)
                 except Exception as exc:  # noqa: BLE001 - the next report follows in a few seconds
                     log.warning("could not report load: %s", exc)
@@ -712,11 +714,12 @@ class Gateway:
         if len(queued) >= self.queue_size:
             raise QueueFull(f"Too many requests are waiting for {model} to load; retry later.",
                             details={"model": model, "queue": self.queue_size})
-        queued[id(call)] = time.time()
+        batch = call.principal.priority == "batch"  # only room that is free: nothing is preempted for it
+        queued[id(call)] = (time.time(), batch)
         metrics.WAITING.labels(model).inc()
         began = time.perf_counter()
         try:
-            ticket = await run_db(ondemand.request_load, model)  # raises NotLoadable: 503, no Retry-After
+            ticket = await run_db(ondemand.request_load, model, batch)  # NotLoadable: 503, no Retry-After
             asked = time.perf_counter()  # the ticket's expected seconds count from here
             deadline = began + self.admission_timeout
             while True:
@@ -725,7 +728,7 @@ class Gateway:
                 if current is not None and current.endpoints:
                     return current
                 if (current is None or current.state not in LOADABLE) and time.perf_counter() - asked >= reask_s:
-                    ticket = await run_db(ondemand.request_load, model)  # parked meanwhile: refused now
+                    ticket = await run_db(ondemand.request_load, model, batch)  # parked meanwhile: refused now
                     asked = time.perf_counter()
                 left = deadline - time.perf_counter()
                 if left <= 0:

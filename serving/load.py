@@ -8,7 +8,8 @@ only its own field, so processes never overwrite each other); without Redis (the
 one web process) they live in Django's cache.
 
 What the policy reads from this: a replica with requests in flight is active (never evicted), a
-model with requests waiting is wanted now, and load scaling compares in-flight requests with what
+model with requests waiting is wanted now (but nothing is preempted for it while every request
+waiting is at the batch priority), and load scaling compares in-flight requests with what
 the replicas can take.
 """
 
@@ -31,6 +32,7 @@ class Load:
     in_flight: dict[str, int]  # replica public id → requests in flight there
     waiting: dict[str, int]  # model name → requests waiting for it to load
     waiting_since: dict[str, float] = dataclasses.field(default_factory=dict)  # model → the oldest began (epoch s)
+    waiting_batch: dict[str, int] = dataclasses.field(default_factory=dict)  # model → those at the batch priority
 
     def running(self, replica_ids) -> int:
         return sum(self.in_flight.get(r, 0) for r in replica_ids)
@@ -43,12 +45,14 @@ def _redis():
 
 
 def publish(process: str, in_flight: dict[str, int], waiting: dict[str, int], now: float | None = None,
-            waiting_since: dict[str, float] | None = None) -> None:
-    """Replace this process's report (zero counts are left out: an idle process reports nothing)."""
+            waiting_since: dict[str, float] | None = None, waiting_batch: dict[str, int] | None = None) -> None:
+    """Replace this process's report (zero counts are left out: an idle process reports nothing).
+    ``waiting_batch``: how many of those waiting per model are at the batch priority."""
     report = json.dumps({"at": now if now is not None else time.time(),
                          "in_flight": {k: v for k, v in in_flight.items() if v > 0},
                          "waiting": {k: v for k, v in waiting.items() if v > 0},
-                         "waiting_since": {k: v for k, v in (waiting_since or {}).items() if waiting.get(k, 0) > 0}})
+                         "waiting_since": {k: v for k, v in (waiting_since or {}).items() if waiting.get(k, 0) > 0},
+                         "waiting_batch": {k: v for k, v in (waiting_batch or {}).items() if v > 0}})
     if settings.REDIS_URL:
         client = _redis()
         try:
@@ -93,6 +97,7 @@ def current(now: float | None = None) -> Load:
     in_flight: dict[str, int] = {}
     waiting: dict[str, int] = {}
     since: dict[str, float] = {}
+    batch: dict[str, int] = {}
     for process, report in reports.items():
         if process in stale:
             continue
@@ -102,7 +107,9 @@ def current(now: float | None = None) -> Load:
             waiting[key] = waiting.get(key, 0) + int(count)
         for key, began in report.get("waiting_since", {}).items():
             since[key] = min(float(began), since.get(key, float(began)))
-    return Load(in_flight=in_flight, waiting=waiting, waiting_since=since)
+        for key, count in report.get("waiting_batch", {}).items():
+            batch[key] = batch.get(key, 0) + int(count)
+    return Load(in_flight=in_flight, waiting=waiting, waiting_since=since, waiting_batch=batch)
 
 
 def _parse(value) -> dict:

@@ -27,8 +27,10 @@ RUNNABLE = (Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING)
 # Refusals after which the engine never ran the request: its claim is given back, and it is sent again later.
 NOT_SENT = frozenset({"no_ready_replica", "model_loading"})
 # Refusals of a request that reached no engine and may pass later: the worker waits and sends it again.
+# ``no_idle_capacity``: the model it needs fits only by preempting, which a batch never does.
 RETRY_LATER = NOT_SENT | frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded", "queue_full",
-                                    "server_busy", "limiter_unavailable", "database_unavailable"})
+                                    "server_busy", "limiter_unavailable", "database_unavailable",
+                                    "no_idle_capacity"})
 # Refusals of the batch's key itself: no line of it can run any more.
 KEY_REFUSED = frozenset({"invalid_api_key", "api_key_revoked", "api_key_expired", "client_disabled"})
 

@@ -139,6 +139,9 @@ class DesiredModel:
     last_requested_at: float | None = None  # None: not known (never, or since a restart)
     waiting: int = 0  # requests waiting now for a model with no replica (an on-demand load)
     waiting_since: float | None = None  # when the oldest of those began waiting
+    # Every request waiting is at the batch priority (a Batch API line, a batch client): it is loaded
+    # only where room is free; nothing running is preempted for it.
+    waiting_batch_only: bool = False
     extra: int = 0  # replicas added for load (scaling.step keeps it)
     # How the recovery ladder's last rung runs it (level 2: the smallest context, one slot, on the CPU
     # where its engine can); empty: as its own profiles.

@@ -147,6 +147,8 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         for demand in sorted([d for d in unplaced if d.tier <= 1],
                              key=lambda d: (-d.model.rank, d.tier, -d.value, d.key)):
             model = demand.model
+            if demand.reason == "on-demand" and model.waiting_batch_only:
+                continue  # batch work uses only the room interactive work leaves
             need = need_of(demand.profiles[0], demand.extra_bytes) if demand.profiles else (0, 0, 0)
             below_min = demand.slot < max(model.scaling.min, 1 if model.pinned else 0)
             pool = preemption.candidates(model, below_min, need, fleet, models, desired, quotas, now, settings,
@@ -217,6 +219,8 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
     for model_id in sorted(missing_by_model):
         group = missing_by_model[model_id]
         reason, code = first_reason(group[0], fleet, quotas, placer, missing=len(group))
+        if group[0].reason == "on-demand" and group[0].model.waiting_batch_only:
+            reason += "; only batch requests wait for it, so nothing running is preempted to make room"
         unschedulable.append(Unschedulable(model_id, reason, code, len(group)))
         decisions.append(Decision(model_id, "unschedulable", (code,), detail=reason))
 

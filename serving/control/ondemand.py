@@ -51,6 +51,13 @@ class NotLoadable(Unavailable):
     code = "model_not_loaded"
 
 
+class NoIdleRoom(NotLoadable):
+    """A model only batch requests wait for fits nowhere without preempting: a batch's line waits and
+    asks again (``gateway.batch.lines.RETRY_LATER``), an interactive request would not be refused."""
+
+    code = "no_idle_capacity"
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadTicket:
     """A load is under way (or was asked for); ``expected_seconds`` is how long until it should be up.
@@ -70,9 +77,10 @@ def entry_for(name: str) -> ModelEntry | None:
     return entry
 
 
-def load(name: str) -> Deployment:
+def load(name: str, batch: bool = False) -> Deployment:
     """Make ``name`` come up: start its stopped deployment or place a new one. Quick (the agent does
-    the loading) and harmless when many waiting requests call it at once."""
+    the loading) and harmless when many waiting requests call it at once. ``batch``: asked by a
+    request at the batch priority, which is placed only where room is free (``_place``)."""
     entry = entry_for(name)
     if entry is None:
         raise NotLoadable(f"{name} is not in the catalog: nothing loads it on request.",
@@ -100,28 +108,33 @@ def load(name: str) -> Deployment:
                 return service.start(ACTOR, stopped)
             except BerthError as error:  # no room where it ran last: place it afresh
                 log.info("%s cannot start where it ran (%s); placing it afresh", entry.name, error.message)
-        return _place(entry)
+        return _place(entry, batch)
 
 
-def _place(entry: ModelEntry) -> Deployment:
+def _place(entry: ModelEntry, batch: bool) -> Deployment:
     """Placed by the placement policy, like every catalog model: its order (weights held, best fit)
-    and, when nothing fits as the fleet stands, its preemption (idle on-demand replicas first).
+    and, when nothing fits as the fleet stands, its preemption (idle on-demand replicas first) —
+    unless every request waiting for it is at the batch priority (``batch`` for this one): then it
+    takes only free room, and a refusal is ``NoIdleRoom``, which a batch waits out.
     Asked at most once per model every few seconds: a burst of requests for a model that cannot be
-    placed gets the policy's last answer, not a pass each."""
+    placed gets the policy's last answer, not a pass each (a batch ask's answer apart, since it
+    is not one an interactive request would get)."""
     if room.desired_model(entry) is None:
         raise NotLoadable(f"{entry.name} has no verified, servable file with an estimate: nothing can place it.")
-    asked = _asked_key(entry.name)
+    asked = _asked_key(entry.name) + (":batch" if batch else "")
     why = cache.get(asked)
     if why is None:
-        outcome = placement.reconcile(waiting={entry.name: 1}, wait_s=ASK_POLICY_EVERY_S)
+        outcome = placement.reconcile(waiting={entry.name: 1}, batch_waiting={entry.name: 1} if batch else None,
+                                      wait_s=ASK_POLICY_EVERY_S)
         placed = Deployment.objects.filter(name=entry.name, state__in=SERVING).first()
         if placed is not None:
             return placed
         why = outcome.get("unschedulable", {}).get(entry.name) or ""
         if not outcome.get("skipped"):
             cache.set(asked, why, ASK_POLICY_EVERY_S)
-    raise NotLoadable(f"{entry.name} fits on no node now; the placement policy: {why or 'busy, ask again'}.",
-                      details={"policy": why})
+    refusal = NoIdleRoom if batch else NotLoadable
+    raise refusal(f"{entry.name} fits on no node now; the placement policy: {why or 'busy, ask again'}.",
+                  details={"policy": why})
 
 
 WHY_NOT_PLACED = (PlacementDecision.Verdict.UNSCHEDULABLE, PlacementDecision.Verdict.BACKOFF,
@@ -200,8 +213,9 @@ def _expected_load_seconds(deployments: list[Deployment]) -> float:
     return max(1.0, typical - elapsed)
 
 
-def request_load(model_name: str) -> LoadTicket:
-    """Ask for ``model_name`` to be made ready; return at once with the expected wait.
+def request_load(model_name: str, batch: bool = False) -> LoadTicket:
+    """Ask for ``model_name`` to be made ready; return at once with the expected wait. ``batch``: the
+    request asking is at the batch priority (placed only where room is free: ``_place``).
 
     An always-on model that the reconcile loop is bringing back (``_coming_back``: its replica
     failed or ended and the next pass relaunches it, after the recovery ladder's backoff or a hold)
@@ -220,7 +234,7 @@ def request_load(model_name: str) -> LoadTicket:
             return LoadTicket(model=model_name, expected_seconds=start_in + _expected_load_seconds(deployments),
                               coming_back=why)
         try:  # an on-demand model: its first request loads it (starting or placing a deployment)
-            loadable = [load(model_name)]
+            loadable = [load(model_name, batch)]
         except NotLoadable as refusal:
             message, details = refusal.message, dict(refusal.details or {})
             failed = [d for d in deployments if d.state == S.FAILED]
@@ -228,5 +242,8 @@ def request_load(model_name: str) -> LoadTicket:
                 message = f"no deployment can serve it (last failure: {failed[0].state_detail[:200]})"
                 details["reason"] = message
             details = {**details, "model": model_name, "reason": details.get("reason") or message}
+            if isinstance(refusal, NoIdleRoom):
+                raise NoIdleRoom(f"{model_name} is not loaded and waits for free room: {message}",
+                                 details=details) from None
             raise NotLoadable(f"{model_name} is not loaded and will not be: {message}", details=details) from None
     return LoadTicket(model=model_name, expected_seconds=_expected_load_seconds(loadable))

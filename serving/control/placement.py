@@ -88,14 +88,16 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
         waits_for=tuple(waits_for), shards=tuple(shards), profile=chosen.get("name") or "")
 
 
-def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = None,
-             live: load.Load | None = None, step_scaling: bool = False,
+def snapshot(waiting: Mapping[str, int] | None = None, *, batch_waiting: Mapping[str, int] | None = None,
+             now: float | None = None, live: load.Load | None = None, step_scaling: bool = False,
              entries: Mapping[str, ModelEntry] | None = None) -> Snapshot:
     """The policy's inputs: the catalog's models, the replicas running them, what the gateway sees
     of load (requests in flight per replica: active replicas are never evicted; requests waiting
     for a model), when each model was last used (idle on-demand replicas go), the recovery
     ladder's memory, and the holds carried from the last plan. ``waiting`` adds requests a caller
-    knows of (an on-demand load asking now). The load-added replicas per model are read, and with
+    knows of (an on-demand load asking now), ``batch_waiting`` how many of those are at the batch
+    priority: a model only batch requests wait for is placed where room is free, preempting nothing
+    (``DesiredModel.waiting_batch_only``). The load-added replicas per model are read, and with
     ``step_scaling`` (the reconcile pass) moved one load-scaling step first. ``entries``: the
     catalog, when the caller has just read it."""
     now = time.time() if now is None else now
@@ -103,6 +105,9 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
     wanted = dict(live.waiting)
     for name, count in (waiting or {}).items():
         wanted[name] = max(wanted.get(name, 0), count)
+    urgent = {name: count - live.waiting_batch.get(name, 0) for name, count in live.waiting.items()}
+    for name, count in (waiting or {}).items():  # waiting above the batch priority
+        urgent[name] = max(urgent.get(name, 0), count - (batch_waiting or {}).get(name, 0))
     entries = _catalog() if entries is None else entries
     rows = list(Replica.objects.select_related("deployment", "node")
                 .filter(deployment__name__in=entries, state__in=COUNTING).order_by("created_at", "pk"))
@@ -119,6 +124,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, now: float | None = No
                                      idle_timeout_s=entry.idle_timeout_seconds or ModelEntry.DEFAULT_IDLE_SECONDS),
             fallbacks=tuple(entry.fallbacks or ()), pinned=entry.pinned, last_requested_at=used.get(entry.name),
             waiting=wanted.get(entry.name, 0), waiting_since=live.waiting_since.get(entry.name),
+            waiting_batch_only=wanted.get(entry.name, 0) > 0 and urgent.get(entry.name, 0) <= 0,
             extra=extra.get(entry.name, 0)))
     replicas, catalog_holders, counted = [], set(), Counter()
     for replica in rows:
@@ -192,8 +198,10 @@ def _unpark_changed(snap: Snapshot) -> None:
             recovery_service.note_success(name)
 
 
-def reconcile(waiting: Mapping[str, int] | None = None, *, wait_s: float = 0) -> dict:
+def reconcile(waiting: Mapping[str, int] | None = None, *, batch_waiting: Mapping[str, int] | None = None,
+              wait_s: float = 0) -> dict:
     """One pass: decide, record the evidence, apply. Returns what was done (for logs and tests).
+    ``waiting`` and ``batch_waiting`` as for ``snapshot``.
 
     One pass at a time (the periodic one and on-demand loads both run it; two at once would both
     launch what is missing): a caller finding another pass under way waits up to ``wait_s``, then
@@ -205,17 +213,17 @@ def reconcile(waiting: Mapping[str, int] | None = None, *, wait_s: float = 0) ->
             return {"launched": [], "evicted": [], "unschedulable": {}, "skipped": True}
         time.sleep(0.1)
     try:
-        return _reconcile(waiting)
+        return _reconcile(waiting, batch_waiting)
     finally:
         if cache.get(LOCK_KEY) == token:
             cache.delete(LOCK_KEY)
 
 
-def _reconcile(waiting: Mapping[str, int] | None) -> dict:
+def _reconcile(waiting: Mapping[str, int] | None, batch_waiting: Mapping[str, int] | None) -> dict:
     now = time.time()
     live = load.current(now)
     entries = _catalog()
-    snap = snapshot(waiting, now=now, live=live, step_scaling=True, entries=entries)
+    snap = snapshot(waiting, batch_waiting=batch_waiting, now=now, live=live, step_scaling=True, entries=entries)
     _unpark_changed(snap)
     plan = policy.schedule(snap)
     cache.set(HOLDS_KEY, [dataclasses.asdict(h) for h in plan.holds], None)

@@ -11,7 +11,7 @@ from django.apps import apps
 from django.core import serializers
 
 from gateway.models import UsageRecord
-from serving import events
+from serving import events, load
 from serving.control import routing
 from serving.keys import replica_key
 from serving.models import Deployment, Replica
@@ -132,6 +132,40 @@ def test_admission_times_out_with_retry_after_and_a_full_queue_is_429(gateway_b,
     timed_out = results[0]
     assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "model_loading"
     assert int(timed_out.headers["retry-after"]) >= 1
+
+
+@pytest.fixture
+def gateway_c(django_db_setup, django_db_blocker, artifacts_dir):
+    """A process whose waiting requests outlast a load report or two (reported every two seconds)."""
+    with django_db_blocker.unblock():
+        process = GatewayProcess(artifacts_dir / "gateway-c.log", admission_timeout=8, admission_queue=4)
+    yield process
+    process.stop()
+
+
+def test_requests_waiting_at_the_batch_priority_are_reported_as_such_to_the_placement_loop(gateway_c, deploy,
+                                                                                            make_key):
+    deploy("batch-loader", state="loading", replica_state="loading", replica_id=str(uuid.uuid4()), port=free_port())
+    batch_key, interactive_key = make_key(priority="batch").key, make_key(priority="high").key
+
+    def ask(key):
+        return httpx.post(f"{gateway_c.base_url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30, json={"model": "batch-loader", "prompt": "a"})
+
+    results = []
+    first = threading.Thread(target=lambda: results.append(ask(batch_key)))
+    first.start()
+    wait_until(lambda: load.current().waiting_batch.get("batch-loader") == 1, 30,
+               what="the batch client's request reported waiting at the batch priority")
+    assert load.current().waiting["batch-loader"] == 1  # one waits, and it is a batch one: nothing preempted for it
+    first.join()
+    assert results[0].json()["error"]["code"] == "model_loading"
+    second = threading.Thread(target=lambda: results.append(ask(interactive_key)))
+    second.start()
+    wait_until(lambda: (lambda now: now.waiting.get("batch-loader") == 1 and not now.waiting_batch)(load.current()),
+               30, what="the interactive request reported waiting, above the batch priority")
+    second.join()
+    assert results[1].json()["error"]["code"] == "model_loading"
 
 
 def test_a_model_that_will_not_come_up_is_refused_at_once_without_retry_after(gateway, deploy, make_key):

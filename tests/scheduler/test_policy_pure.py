@@ -247,6 +247,20 @@ def test_a_load_takes_room_only_from_idle_replicas_worth_no_more_until_it_has_wa
     assert [e.replica for e in plan.evictions] == ["p"]  # worth more: at once
 
 
+def test_a_load_only_batch_requests_wait_for_takes_free_room_and_preempts_nothing():
+    idle = od("idle", 60, priority=1, last_requested_at=NOW - 100)
+    rep = ready("i", "idle", "a", ["a-g0"], 60, last_used_at=NOW - 300)  # idle past the eviction grace
+    wanted = od("wanted", 60, priority=80, waiting=3, waiting_since=NOW - 3600)  # worth more, starved
+    plan = schedule(Snapshot(NOW, (gpu_node("a", gpus=1),), (idle, wanted), (rep,)))
+    assert [e.replica for e in plan.evictions] == ["i"]  # an interactive request would push it out
+    batch = dataclasses.replace(wanted, waiting_batch_only=True)
+    plan = schedule(Snapshot(NOW, (gpu_node("a", gpus=1),), (idle, batch), (rep,)))
+    assert not plan.evictions and not plan.launches
+    assert "only batch requests wait for it" in plan.unschedulable[0].reason
+    plan = schedule(Snapshot(NOW, (gpu_node("a", gpus=2),), (idle, batch), (rep,)))  # free room: loaded there
+    assert not plan.evictions and [(l.model, l.accelerators) for l in plan.launches] == [("wanted", ("a-g1",))]
+
+
 def test_an_on_demand_model_without_a_replica_loads_only_for_a_waiting_request():
     recently = od("m", last_requested_at=NOW - 10)  # used a moment ago, then preempted: no replica now
     assert schedule(Snapshot(NOW, (gpu_node("a"),), (recently,))).empty

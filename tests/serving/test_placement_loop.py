@@ -186,6 +186,29 @@ def test_an_on_demand_load_that_fits_nowhere_stops_an_idle_one_and_starts_once_i
     assert replica.state == "starting"
 
 
+def test_a_load_only_batch_requests_wait_for_preempts_nothing_until_an_interactive_one_waits(
+        small_node, django_capture_on_commit_callbacks):
+    node, sent = small_node
+    request_load("old")
+    mark_ready("old")
+    load.note_used({"old": time.time() - 300})  # idle for five minutes: an interactive load may push it out
+    with pytest.raises(ondemand.NoIdleRoom, match="waits for free room") as refused:
+        request_load("new", batch=True)
+    assert refused.value.code == "no_idle_capacity"
+    assert "only batch requests wait for it" in refused.value.message
+    try:
+        load.publish("test-gateway", {}, {"new": 2}, waiting_batch={"new": 2})  # two batch lines wait
+        with django_capture_on_commit_callbacks(execute=True):
+            assert placement.reconcile()["evicted"] == []
+        assert ("stop", "old") not in sent and not Replica.objects.filter(deployment__name="new").exists()
+        load.publish("test-gateway", {}, {"new": 3}, waiting_batch={"new": 2})  # and now one interactive request
+        with django_capture_on_commit_callbacks(execute=True):
+            assert placement.reconcile()["evicted"] == ["old"]
+        assert ("stop", "old") in sent and Replica.objects.filter(deployment__name="new").exists()
+    finally:
+        load.withdraw("test-gateway")
+
+
 def test_a_parked_model_is_not_placed_until_its_definition_changes(setup):
     from scheduler import recovery_service
     from scheduler.models import RecoveryState
