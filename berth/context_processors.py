@@ -12,6 +12,7 @@ AREAS = (
     ("gateway", "Gateway", "gateway:index", (
         ("Usage", "gateway:index", "", (), False),
         ("Splits", "gateway:index", "#splits", (), False),
+        ("Batches", "gateway:batches", "", ("batch", "batch_cancel"), False),
         ("Playground", "gateway:playground", "", (), False),
     )),
     ("serving", "Models", "serving:catalog-held", (

@@ -3,7 +3,9 @@
 import django_filters
 
 from berth.filters import DateTimeFilter
-from gateway.models import UsageRecord
+from gateway.batch.files import ENDPOINTS
+from gateway.batch.service import ACTIVE
+from gateway.models import Batch, UsageRecord
 from tenancy.access import subtree
 
 
@@ -17,6 +19,28 @@ class UsageRecordFilterSet(django_filters.FilterSet):
     class Meta:
         model = UsageRecord
         fields = ["request_id", "status", "endpoint", "model", "scope", "since", "until", "key"]
+
+    def under_scope(self, queryset, name, value):
+        return queryset.filter(subtree(value.rstrip("/"), "scope_path"))
+
+
+class BatchFilterSet(django_filters.FilterSet):
+    """The Batch API's batches, for the console's Batches page and ``/api/gateway/batches/``."""
+
+    status = django_filters.ChoiceFilter(choices=Batch.Status.choices)
+    active = django_filters.BooleanFilter(method="still_active", label="Not ended yet")
+    endpoint = django_filters.ChoiceFilter(choices=[(url, url) for url in ENDPOINTS])
+    scope = django_filters.CharFilter(method="under_scope", label="Scope path (and below)")
+    client = django_filters.UUIDFilter(field_name="client__public_id", label="Service client (id)")
+    since = DateTimeFilter(field_name="created_at", lookup_expr="gte")
+    until = DateTimeFilter(field_name="created_at", lookup_expr="lt")
+
+    class Meta:
+        model = Batch
+        fields = ["status", "active", "endpoint", "scope", "client", "since", "until"]
+
+    def still_active(self, queryset, name, value):
+        return queryset.filter(status__in=ACTIVE) if value else queryset.exclude(status__in=ACTIVE)
 
     def under_scope(self, queryset, name, value):
         return queryset.filter(subtree(value.rstrip("/"), "scope_path"))

@@ -5,18 +5,19 @@ from __future__ import annotations
 from datetime import date, datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import Substr, TruncDate, TruncHour
 from django.utils import timezone
 
 from berth.errors import InvalidInput
 from gateway import charts as draw
-from gateway.models import ModelSplit, UsageRecord
+from gateway.batch import service as batch_service
+from gateway.models import Batch, ModelSplit, UsageRecord
 from gateway.usage import retry_parked
 from serving import events
 from serving.models import Deployment, ModelEntry
-from tenancy import access
+from tenancy import access, audit
 from tenancy.errors import Forbidden
 
 
@@ -25,6 +26,35 @@ def visible_usage(caller, queryset=None):
     (everything for a superuser). Narrowed by the record's own ``scope_path``, so no join and no row
     of another tenancy."""
     return access.visible_by_path(caller, UsageRecord.objects.all() if queryset is None else queryset, "scope_path")
+
+
+def visible_batches(caller, queryset=None):
+    """Batches (of ``queryset``, default all) of the scopes where ``caller`` holds a role: the rule of
+    ``visible_usage``, by the ``scope_path`` a batch keeps of its client's project."""
+    queryset = Batch.objects.select_related("client__project", "credential") if queryset is None else queryset
+    return access.visible_by_path(caller, queryset, "scope_path")
+
+
+def may_cancel_batch(caller, batch) -> bool:
+    """Cancelling is operating the batch's client: a member (or above) of its project, as for its keys."""
+    return access.can(caller, "use", batch.client)
+
+
+def cancel_batch(actor, batch) -> Batch:
+    """Cancel ``batch`` for a person or a management client (the console, ``/api/gateway/batches/``):
+    "use" on its client's project, else 404 (out of reach) or 403; an ended batch is ``batch_ended``
+    (409). The key holder's own cancel under /v1/ is ``gateway.batch.service.cancel``, which this calls
+    (and so refuses the same way) with the audit event in the same transaction."""
+    access.require(actor, "use", batch.client)
+    client = batch.client
+    with transaction.atomic():
+        was = Batch.objects.select_for_update().values_list("status", flat=True).get(pk=batch.pk)
+        batch = batch_service.cancel(batch)
+        if was != Batch.Status.CANCELLING:  # asked again while it winds down: nothing changed, nothing to log
+            audit.record(actor, "batch.cancel", batch, scope=client.project,
+                         details={"was": was, "endpoint": batch.endpoint, "client": str(client.public_id)})
+    batch.client = client
+    return batch
 
 
 def bucket(field: str, size: str):

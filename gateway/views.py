@@ -1,4 +1,5 @@
-"""The gateway console: usage (records, totals, charts), model splits, and the playground."""
+"""The gateway console: usage (records, totals, charts), model splits, the Batch API's batches, and the
+playground."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from django.views import View
 from berth.errors import BerthError, NotFound
 from berth.htmx import render_page, wants_fragment
 from gateway import services, splits
-from gateway.filtersets import UsageRecordFilterSet
-from gateway.models import ModelSplit, UsageRecord
+from gateway.batch.service import ACTIVE, eta_seconds
+from gateway.filtersets import BatchFilterSet, UsageRecordFilterSet
+from gateway.models import Batch, ModelSplit, UsageRecord
+from gateway.tables import BatchTable, duration, progress
 from tenancy import access
 from tenancy.audit import Actor
-from tenancy.console import ConsoleMixin, ConsolePage, ObjectAction
+from tenancy.console import ConsoleMixin, ConsolePage, ObjectAction, filtered
 from tenancy.models import Scope, ServiceClient
 from tenancy.services import clients
 
@@ -101,6 +104,95 @@ class SplitDeleteView(ObjectAction):
 
     def success_url(self, split, result):
         return reverse("gateway:index")
+
+
+class BatchMixin:
+    """Batches, narrowed by the gateway's one rule (``services.visible_batches``: those of the projects
+    the caller holds a role in), with what the pages show of each."""
+
+    model = Batch
+    queryset = Batch.objects.select_related("client__project", "credential", "input_file", "output_file",
+                                            "error_file")
+
+    def narrow(self, queryset):
+        return services.visible_batches(self.request.user, queryset)
+
+
+class BatchesView(BatchMixin, ConsolePage):
+    """The batches, newest first, filtered by the FilterSet the API's list reads; the table refreshes
+    itself through the same URL's fragment, filters included."""
+
+    template_name = "gateway/batches.html"
+    fragment_template_name = "gateway/batches_table.html"
+    shown = 200
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        filterset = BatchFilterSet(self.request.GET, queryset=self.get_queryset().order_by("-created_at", "-id"))
+        chosen = any(filterset.data.get(name) for name in filterset.filters)
+        context["filterset"] = filterset
+        context["table"] = BatchTable(filtered(filterset)[:self.shown],
+                                      empty_message="No batches match these filters." if chosen else None)
+        return context
+
+
+def batch_context(request, batch, **extra) -> dict:
+    """The batch page's facts and its panel (status, progress, the cancel button), as the page, its
+    polled fragment and the answer to a cancel show them."""
+    active = batch.status in ACTIVE
+    may_cancel = services.may_cancel_batch(request.user, batch)
+    ended = batch.completed + batch.failed
+    return {"batch": batch, "active": active, "progress": progress(batch), "eta": duration(eta_seconds(batch)),
+            "percent": round(ended * 100 / batch.total) if batch.total else None,
+            "may_cancel": may_cancel, "cancellable": may_cancel and active and batch.status != Batch.Status.CANCELLING,
+            **extra}
+
+
+class BatchView(BatchMixin, ConsolePage):
+    """One batch: whose it is, its progress (the panel polls itself while the batch runs and answers
+    286, stop, once it has ended) and, for a member of its project, the cancel button."""
+
+    template_name = "gateway/batch.html"
+    fragment_template_name = "gateway/batch_panel.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        batch = self.get_object()
+        context.update(batch_context(self.request, batch))
+        context["breadcrumbs"] = [(batch.public_id, self.request.path)]  # after Gateway › Batches
+        return context
+
+    def render_to_response(self, context, **kwargs):
+        response = super().render_to_response(context, **kwargs)
+        if wants_fragment(self.request) and not context["active"]:
+            response.status_code = 286  # the batch has ended: htmx stops polling
+        return response
+
+
+class BatchCancelView(BatchMixin, ObjectAction):
+    """POST: cancel a visible batch (``services.cancel_batch``: a member of its project; a viewer is
+    refused with a 403 page). A batch that has ended already is said where the button was. To HTMX:
+    the panel swapped in place with the outcome; otherwise back to the batch's page."""
+
+    def perform(self, batch, data):
+        return services.cancel_batch(self.actor, batch)
+
+    def done(self, batch, result):
+        if not wants_fragment(self.request):
+            messages.success(self.request, f"{batch.public_id} is cancelling: lines in flight finish, the rest "
+                                           "are not sent.")
+        return super().done(batch, result)
+
+    def fragment(self, batch, result, error=None):
+        fresh = self.get_queryset().get(pk=batch.pk)
+        said = error.message if error is not None else (f"{fresh.public_id} is cancelling: lines in flight finish, "
+                                                        "the rest are not sent.")
+        context = batch_context(self.request, fresh, result=said, result_is_error=error is not None)
+        # 200 with a refusal inside: htmx swaps only successful answers; the panel says what went wrong.
+        return render(self.request, "gateway/batch_panel.html", context)
+
+    def success_url(self, batch, result):
+        return reverse("gateway:batch", kwargs={"public_id": batch.public_id})
 
 
 def _usable_clients(user):

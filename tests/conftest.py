@@ -21,7 +21,7 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 # `make test` runs these a second time that way (`-m embedded`). Paths under tests/.
 EMBEDDED = (
     "tenancy/test_keys.py", "tenancy/test_api_clients.py", "tenancy/test_console_keys.py",
-    "gateway/test_inference.py", "gateway/test_console_playground.py",
+    "gateway/test_inference.py", "gateway/test_console_playground.py", "gateway/test_batch_console.py",
     "serving/test_catalog_entries.py", "serving/test_catalog_room.py", "serving/test_catalog_room_portable.py",
     "serving/test_catalog_servability.py", "serving/test_mirror_pages.py", "scheduler/test_hardening.py",
     "serving/test_quarantine_and_states.py", "serving/test_reconcile_soon.py", "scheduler/test_decision_filters.py",

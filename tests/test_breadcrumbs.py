@@ -38,6 +38,8 @@ TRAILS = {
     "models/held/<uuid:public_id>/": lambda w: [MODELS, ("Catalog", "/models/held/"), (w.model.name, None)],
     "models/jobs/<uuid:public_id>/": lambda w: [MODELS, ("Catalog", "/models/held/"), (f"Fetch {w.fetch.repo}", None)],
     "fleet/nodes/<uuid:public_id>/": lambda w: [FLEET, ("Nodes", "/fleet/"), (w.node.name, None)],
+    "gateway/batches/<str:public_id>/": lambda w: [("Gateway", "/gateway/"), ("Batches", "/gateway/batches/"),
+                                                   (w.batch.public_id, None)],
     "organisations/scopes/<uuid:public_id>/": lambda w: [ORGS, TREE, *tree(w)[:-1], (w.scope.name, None)],
     CONTRACT: lambda w: [ORGS, TREE, *tree(w), ("Contract", None)],
     "organisations/clients/<uuid:public_id>/": lambda w: [ORGS, ("Service clients", "/organisations/clients/"),

@@ -58,6 +58,9 @@ ROUTES = {
     "gateway/splits/": Form("change", data=lambda w: {"model_name": "walk-split", "scope": w.scope.path,
                                                       "variants": f"{w.model.name}:1", "enabled": "on"}),
     "gateway/splits/<uuid:public_id>/delete/": Form("change", "split"),
+    "gateway/batches/": Page(),
+    "gateway/batches/<str:public_id>/": Page("batch"),
+    "gateway/batches/<str:public_id>/cancel/": Form("use", "batch"),
     "models/": Page(),
     "models/deploy/": Form("use", data=lambda w: {"name": "walk-model", "model_path": w.weights_path,
                                                   "node": w.node.name, "task": "chat", "engine": "llamacpp",
@@ -140,7 +143,8 @@ def test_every_console_route_is_walked():
 
 def url_of(route: str, spec, world) -> str:
     target = getattr(world, spec.target) if spec.target and spec.target != "model_name" else None
-    values = {"<uuid:public_id>": getattr(target, "public_id", None), "<path:model>": world.model.name,
+    public_id = getattr(target, "public_id", None)
+    values = {"<uuid:public_id>": public_id, "<str:public_id>": public_id, "<path:model>": world.model.name,
               "<str:verb>": "remove", "<slug:verb>": "cordon"}
     for name, value in values.items():
         route = route.replace(name, str(value))
@@ -150,7 +154,7 @@ def url_of(route: str, spec, world) -> str:
 
 def world_state(world) -> list:
     """Everything a console form could change, as plain rows."""
-    from gateway.models import ModelSplit
+    from gateway.models import Batch, ModelSplit
     from scheduler.models import Node, RecoveryState
     from serving.models import FetchJob, ModelEntry
     from serving.models import Deployment, Operation
@@ -160,7 +164,7 @@ def world_state(world) -> list:
         (AuditEvent, ("pk",)), (Scope, ("pk", "name")), (Membership, ("pk", "role")),
         (ServiceClient, ("pk", "access", "environment", "is_active")),
         (Credential, ("pk", "revoked_at", "expires_at")), (Contract, ("pk", "gpus_limit", "rpm_limit")),
-        (ApprovalRequest, ("pk", "status")), (ModelSplit, ("pk", "enabled", "variants")),
+        (ApprovalRequest, ("pk", "status")), (ModelSplit, ("pk", "enabled", "variants")), (Batch, ("pk", "status")),
         (Deployment, ("pk", "state")), (Operation, ("pk",)), (ModelEntry, ("pk", "scaling_max")),
         (FetchJob, ("pk", "status")), (Node, ("pk", "state")), (RecoveryState, ("pk", "parked")))]
 

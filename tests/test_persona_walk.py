@@ -174,6 +174,9 @@ CASES = {
     # The fleet's figures for everyone; the models, replicas and failures in it are the caller's own.
     "serving_status_retrieve": Case("list"),
     # --- gateway ---
+    "gateway_batches_list": Case("list"),
+    "gateway_batches_retrieve": Case("read", "batch"),
+    "gateway_batches_cancel_create": Case("use", "batch"),
     "gateway_splits_list": Case("list"),
     "gateway_splits_create": Case("change", body=lambda w: {"model_name": "walk-split", "scope": w.scope.path,
                                                             "variants": [{"model": w.model.name, "weight": 1}]}),

@@ -1,6 +1,7 @@
 from rest_framework import serializers
 
-from gateway.models import UsageRecord
+from gateway.batch.service import eta_seconds
+from gateway.models import Batch, UsageRecord
 
 
 class UsageRecordSerializer(serializers.ModelSerializer):
@@ -38,3 +39,44 @@ class ModelSplitSerializer(serializers.Serializer):
         data = super().to_representation(split)
         data["scope"] = split.scope.path if split.scope_id else None
         return data
+
+
+class BatchCountsSerializer(serializers.Serializer):
+    total = serializers.IntegerField()
+    completed = serializers.IntegerField()
+    failed = serializers.IntegerField()
+
+
+class BatchSerializer(serializers.Serializer):
+    """A batch of the Batch API as its project's people see it: OpenAI's fields (times as ISO 8601
+    here, as everywhere in this API) with whose it is, and its progress."""
+
+    id = serializers.CharField(source="public_id", read_only=True)
+    endpoint = serializers.CharField(read_only=True)
+    status = serializers.ChoiceField(choices=Batch.Status.choices, read_only=True)
+    completion_window = serializers.CharField(read_only=True)
+    client = serializers.UUIDField(source="client.public_id", read_only=True)
+    client_name = serializers.CharField(source="client.name", read_only=True)
+    scope_path = serializers.CharField(read_only=True)
+    key_prefix = serializers.CharField(source="credential.prefix", read_only=True)
+    input_file_id = serializers.CharField(source="input_file.public_id", read_only=True, allow_null=True)
+    output_file_id = serializers.CharField(source="output_file.public_id", read_only=True, allow_null=True)
+    error_file_id = serializers.CharField(source="error_file.public_id", read_only=True, allow_null=True)
+    request_counts = BatchCountsSerializer(source="*", read_only=True)
+    eta_seconds = serializers.SerializerMethodField(
+        help_text="Seconds until it ends at the pace it has gone so far; null until a line has ended, or "
+                  "once it is not in progress.")
+    metadata = serializers.DictField(child=serializers.CharField(), read_only=True)
+    errors = serializers.JSONField(read_only=True, allow_null=True)
+    created_at = serializers.DateTimeField(read_only=True)
+    expires_at = serializers.DateTimeField(read_only=True)
+    in_progress_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    finalizing_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    completed_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    failed_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    expired_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    cancelling_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    cancelled_at = serializers.DateTimeField(read_only=True, allow_null=True)
+
+    def get_eta_seconds(self, batch) -> int | None:
+        return eta_seconds(batch)

@@ -1,15 +1,17 @@
-"""The gateway's management API: usage records and model splits, narrowed to the caller's scopes by
-the management API's base viewset (``tenancy.api.base``) before any filter."""
+"""The gateway's management API: usage records, model splits and the Batch API's batches, narrowed to
+the caller's scopes by the management API's base viewset (``tenancy.api.base``) before any filter."""
 
 from django.http import Http404
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
+from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from berth.errors import NotFound
 from gateway import services
-from gateway.api.serializers import ModelSplitSerializer, UsageRecordSerializer
-from gateway.filtersets import UsageRecordFilterSet
-from gateway.models import ModelSplit, UsageRecord
+from gateway.api.serializers import BatchSerializer, ModelSplitSerializer, UsageRecordSerializer
+from gateway.filtersets import BatchFilterSet, UsageRecordFilterSet
+from gateway.models import Batch, ModelSplit, UsageRecord
 from tenancy import access
 from tenancy.api.base import TenancyViewSet
 from tenancy.models import Scope
@@ -78,3 +80,25 @@ class ModelSplitViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.R
     def destroy(self, request, *args, **kwargs):
         services.delete_split(request.user, self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class BatchViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenancyViewSet):
+    """The Batch API's batches (created by key holders under /v1/batches), for the people and
+    management clients of their client's project: newest first, looked up by their id (``batch_…``).
+    Cancelling needs member (or above) of that project; a batch that has ended is ``batch_ended`` (409)."""
+
+    queryset = Batch.objects.select_related("client__project", "credential", "input_file", "output_file",
+                                            "error_file").order_by("-created_at", "-id")
+    serializer_class = BatchSerializer
+    filterset_class = BatchFilterSet
+    lookup_value_regex = "batch_[0-9A-Za-z]{1,34}"
+
+    def narrow(self, queryset):
+        return services.visible_batches(self.request.user, queryset)
+
+    @extend_schema(request=None, responses=BatchSerializer)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, public_id=None):
+        """Stop sending its lines: those in flight finish, the rest go to its error file as
+        ``batch_cancelled``. Cancelling a batch that is already cancelling changes nothing."""
+        return self.render(services.cancel_batch(self.actor, self.get_object()))

@@ -55,6 +55,8 @@ def run(public_id: str) -> str:
         return "held elsewhere"
     try:
         return Runner(public_id, holder).run()
+    except Batch.DoesNotExist:
+        return "gone"  # deleted (its retention ended, its tenant removed) while its run was queued
     finally:
         lease.release(LEASE + public_id, holder)
 

@@ -19,7 +19,8 @@ SECRET_DIR = f"/models/{MARKER}-private"
 
 
 def build_world(personas) -> types.SimpleNamespace:
-    from gateway.models import ModelSplit, UsageRecord
+    from gateway.batch.files import new_id
+    from gateway.models import Batch, ModelSplit, UsageRecord
     from scheduler.models import (Accelerator, CalibrationRecord, HeldWeight, ModelDirectory, PlacementDecision,
                                   RecoveryState)
     from scheduler.services import NodeReport, register_node
@@ -78,6 +79,11 @@ def build_world(personas) -> types.SimpleNamespace:
         endpoint="chat/completions", model_asked=f"{MARKER}-model", model_served=f"{MARKER}-model", status=200,
         total_ms=12.0, prompt_tokens=3, completion_tokens=4, credential=credential, key_prefix=credential.prefix,
         client=client, project=acme.project, scope_path=acme.project.path)
+    batch = Batch.objects.create(  # running: a third of its lines ended
+        public_id=new_id("batch_"), endpoint="/v1/chat/completions", completion_window="24h",
+        status=Batch.Status.IN_PROGRESS, metadata={"job": f"{MARKER}-nightly"}, credential=credential, client=client,
+        scope_path=acme.project.path, total=9, completed=2, failed=1, expires_at=now + timedelta(hours=24),
+        in_progress_at=now - timedelta(minutes=1))
     decision = PlacementDecision.objects.create(model=f"{MARKER}-model", owner=acme.project,
                                                 verdict="unschedulable", reason_codes=["no_fit"],
                                                 detail=f"{MARKER} does not fit", inputs_digest="0" * 32,
@@ -91,7 +97,7 @@ def build_world(personas) -> types.SimpleNamespace:
     objects = types.SimpleNamespace(
         scope=acme.project, membership=membership, client=client, credential=credential,
         contract=contract, approval=approval, audit_event=audit_event, model=model, fetch=fetch,
-        deployment=deployment, split=split, usage=usage, decision=decision)
+        deployment=deployment, split=split, usage=usage, batch=batch, decision=decision)
     secrets = {MARKER, acme.project.path, weights_path,
                *(str(obj.public_id) for obj in vars(objects).values() if getattr(obj, "public_id", None))}
     return types.SimpleNamespace(
