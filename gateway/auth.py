@@ -102,7 +102,7 @@ def principal_of(credential) -> tuple[Principal, float | None]:
         levels.append(Level(kind, f"scope:{path}", contract.rpm_limit, contract.tpm_limit,
                             contract.concurrency_limit))
         budgets.append(Budget(path, contract.daily_token_budget, contract.monthly_token_budget,
-                              contract.budget_mode == "hard"))
+                              contract.budget_mode == "hard", weekly=contract.weekly_token_budget))
     principal = Principal(
         credential_pk=credential.pk, credential_id=str(credential.public_id), key_prefix=credential.prefix,
         lookup=credential.lookup, client_pk=client.pk, client_id=str(client.public_id), client_name=client.name,

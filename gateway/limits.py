@@ -14,8 +14,12 @@ has its own counters:
 - concurrent requests as a sorted set of lease ids scored by a lease expiry, so a process that
   dies mid-request leaks nothing past the lease. A lease id is made per admission (a caller's
   ``X-Request-Id`` may repeat; two requests never share a lease);
-- token budgets per scope and UTC day/month, charged from real usage after each request. A hard
-  budget cannot be overshot by requests in flight together: each admission *reserves* what the
+- token budgets per scope and UTC day, ISO week (from Monday 00:00) and month, charged from real
+  usage after each request; any of the three may be set on one scope, and budgets up the tree all
+  apply. The tightest binds and is the one a refusal names: the period, of any budget on the way up,
+  with the least room left (a period used up has none; of periods with equally little, the longest,
+  since it binds the longest, and of those the nearest scope's). A hard budget cannot be
+  overshot by requests in flight together: each admission *reserves* what the
   request may cost at most (its prompt, estimated, and the output it may produce: ``bodies.reservation``)
   as a hold beside the counter — a sorted set of ``<lease id>:<tokens>`` scored by the lease's
   expiry, so a process that dies mid-request holds nothing past its lease — and is admitted only
@@ -72,24 +76,28 @@ log = logging.getLogger(__name__)
 PREFIX = "berth:gw:"
 WINDOW_MS = 60_000
 LOG_TTL_MS = 120_000  # a rate log outlives its last entry's minute; then Redis forgets an idle level
-BUDGET_TTL = {"d": 2 * 86400 + 3600, "m": 32 * 86400 + 3600}  # seconds a budget counter is kept
+BUDGET_TTL = {"d": 2 * 86400 + 3600, "w": 8 * 86400 + 3600, "m": 32 * 86400 + 3600}  # seconds a budget counter is kept
+PERIODS = ("d", "w", "m")  # a budget's periods, shortest first: its limits' order in the spec and ``Budget.limits``
+PERIOD_NAMES = {"d": ("day", "daily"), "w": ("week", "weekly"), "m": ("month", "monthly")}
 VOID_TTL_MS = 300_000  # a voided lease id is remembered this long (a stalled Redis runs late commands at once)
 RETRY_WALK = 128  # a tokens refusal looks this far into the log for when it is under the limit again
 REPAIRS_KEPT = 50_000  # repairs waiting for Redis; past that the oldest are dropped (their leases expire)
 
-# ARGV: lease id, lease ms, day (YYYYMMDD), month (YYYYMM), spec, the tokens to reserve against hard
-# budgets, and only with an injected clock the time in microseconds (else Redis's TIME). The spec is precomputed per key:
-# "base,rpm,tpm,conc;..." for levels, then "|", then "budgetbase,daily,monthly,hard;..." (0 = none).
+# ARGV: lease id, lease ms, day (YYYYMMDD), ISO week (YYYYWW), month (YYYYMM), spec, the tokens to
+# reserve against hard budgets, and only with an injected clock the time in microseconds (else Redis's
+# TIME). The spec is precomputed per key: "base,rpm,tpm,conc;..." for levels, then "|", then
+# "budgetbase,daily,weekly,monthly,hard;..." (0 = none).
 # Few arguments, because packing each one costs the gateway more than the script costs Redis.
 # Answer: {status, kind, index, wait ms, warnings, then per level: requests in the window, ms until
 # the window holds none of them, tokens in the window, ms until it holds none of them}; status 1
 # admitted, 0 refused (kind and index say by what; wait: when every refusing rate admits again),
-# 2 budget counters missing (then the rest names them: "<budget index><d|m>"), nothing charged. A
-# budget refusal ends with two more: the tokens the budget has room for, and its period ("d"/"m").
+# 2 budget counters missing (then the rest names them: "<budget index><d|w|m>"), nothing charged. A
+# budget refusal ends with two more: the tokens the tightest period has room for, and that period
+# ("d"/"w"/"m"); the index is its budget's.
 ADMIT = """
 local sec, usec
-if ARGV[7] then
-  local us = tonumber(ARGV[7])
+if ARGV[8] then
+  local us = tonumber(ARGV[8])
   sec = math.floor(us / 1000000)
   usec = us - sec * 1000000
 else
@@ -98,8 +106,9 @@ else
 end
 local now_ms = sec * 1000 + math.floor(usec / 1000)
 local cutoff = now_ms - @WINDOW@
-local lid, lease, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local reserve = tonumber(ARGV[6])
+local lid, lease, spec = ARGV[1], tonumber(ARGV[2]), ARGV[6]
+local kinds, periods = {'d', 'w', 'm'}, {ARGV[3], ARGV[4], ARGV[5]}
+local reserve = tonumber(ARGV[7])
 local bar = string.find(spec, '|', 1, true)
 local levels, budgets = {}, {}
 local leased = false
@@ -107,25 +116,23 @@ for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+
   levels[#levels + 1] = {base, tonumber(rpm), tonumber(tpm), tonumber(conc)}
   if tonumber(conc) > 0 then leased = true end
 end
-for base, daily, monthly, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),(%d+),(%d+),(%d)') do
-  budgets[#budgets + 1] = {base .. ':d:' .. day, base .. ':m:' .. month, tonumber(daily), tonumber(monthly),
-                           tonumber(hard), base .. ':h'}
+-- a budget: {its base, its limits per period (day, week, month; 0 = none), hard, its holds' key}
+for base, daily, weekly, monthly, hard in
+    string.gmatch(string.sub(spec, bar + 1), '([^,;]+),(%d+),(%d+),(%d+),(%d)') do
+  budgets[#budgets + 1] = {base, {tonumber(daily), tonumber(weekly), tonumber(monthly)}, tonumber(hard), base .. ':h'}
 end
 local nl, nb = #levels, #budgets
 -- Budget counters first: one that is missing (Redis lost it) is rebuilt from the usage records.
 local spent, missing = {}, {}
 for j = 1, nb do
   local b = budgets[j]
-  local d, m = false, false
-  if b[3] > 0 then
-    d = redis.call('GET', b[1])
-    if not d then missing[#missing + 1] = j .. 'd' end
+  spent[j] = {0, 0, 0}
+  for p = 1, 3 do
+    if b[2][p] > 0 then
+      local count = redis.call('GET', b[1] .. ':' .. kinds[p] .. ':' .. periods[p])
+      if count then spent[j][p] = tonumber(count) else missing[#missing + 1] = j .. kinds[p] end
+    end
   end
-  if b[4] > 0 then
-    m = redis.call('GET', b[2])
-    if not m then missing[#missing + 1] = j .. 'm' end
-  end
-  spent[j] = {tonumber(d or '0'), tonumber(m or '0')}
 end
 if #missing > 0 then
   local out = {2, '', 0, 0, 0}
@@ -197,25 +204,35 @@ if allowed == 0 then  -- when each refused level's window is empty again (admitt
     end
   end
 end
-local warn, room_left, room_period = 0, 0, ''
+-- Hard budgets: what is spent, what the requests in flight hold and this one's reservation must fit
+-- every period of every one. The tightest binds: the least room (none below none), of equals the
+-- longest period (it binds the longest), of those the nearest scope's.
+local warn, tight_room, tight_period, tight_index = 0, nil, 0, 0
 for j = 1, nb do
   local b = budgets[j]
-  if b[5] == 1 then
-    -- hard: what is spent, what the requests in flight hold and this one's reservation must fit
-    redis.call('ZREMRANGEBYSCORE', b[6], '-inf', now_ms)
+  if b[3] == 1 then
+    redis.call('ZREMRANGEBYSCORE', b[4], '-inf', now_ms)
     local held = 0
-    for _, member in ipairs(redis.call('ZRANGE', b[6], 0, -1)) do held = held + tokens_of(member) end
-    local room, period = nil, ''
-    if b[3] > 0 then room, period = b[3] - spent[j][1] - held, 'd' end
-    if b[4] > 0 and (room == nil or b[4] - spent[j][2] - held < room) then
-      room, period = b[4] - spent[j][2] - held, 'm'
+    for _, member in ipairs(redis.call('ZRANGE', b[4], 0, -1)) do held = held + tokens_of(member) end
+    for p = 3, 1, -1 do
+      if b[2][p] > 0 then
+        local room = math.max(0, b[2][p] - spent[j][p] - held)
+        if tight_room == nil or room < tight_room or (room == tight_room and p > tight_period) then
+          tight_room, tight_period, tight_index = room, p, j
+        end
+      end
     end
-    if allowed == 1 and (room <= 0 or reserve > room) then
-      allowed, kind, index, room_left, room_period = 0, 'budget', j, math.max(0, room), period
+  else
+    for p = 1, 3 do
+      if b[2][p] > 0 and spent[j][p] >= b[2][p] then
+        warn = warn + 1
+        break
+      end
     end
-  elseif (b[3] > 0 and spent[j][1] >= b[3]) or (b[4] > 0 and spent[j][2] >= b[4]) then
-    warn = warn + 1
   end
+end
+if allowed == 1 and tight_room ~= nil and (tight_room <= 0 or reserve > tight_room) then
+  allowed, kind, index = 0, 'budget', tight_index
 end
 if allowed == 1 then
   for i = 1, nl do
@@ -233,9 +250,9 @@ if allowed == 1 then
   end
   if reserve > 0 then
     for j = 1, nb do
-      if budgets[j][5] == 1 then
-        redis.call('ZADD', budgets[j][6], now_ms + lease, lid .. ':' .. reserve)
-        redis.call('PEXPIRE', budgets[j][6], lease)
+      if budgets[j][3] == 1 then
+        redis.call('ZADD', budgets[j][4], now_ms + lease, lid .. ':' .. reserve)
+        redis.call('PEXPIRE', budgets[j][4], lease)
       end
     end
   end
@@ -243,23 +260,23 @@ end
 local out = {allowed, kind, index, math.max(0, wait), warn}
 for _, v in ipairs(figures) do out[#out + 1] = v end
 if kind == 'budget' then
-  out[#out + 1] = room_left
-  out[#out + 1] = room_period
+  out[#out + 1] = tight_room
+  out[#out + 1] = kinds[tight_period]
 end
 return out
 """
 
-# ARGV: lease id, tokens, day, month, spec (as ADMIT's), the tokens its admission reserved, and the
-# injected time as ADMIT's.
+# ARGV: lease id, tokens, day, week, month, spec (as ADMIT's), the tokens its admission reserved, and
+# the injected time as ADMIT's.
 SETTLE = """
 local now_ms
-if ARGV[7] then
-  now_ms = math.floor(tonumber(ARGV[7]) / 1000)
+if ARGV[8] then
+  now_ms = math.floor(tonumber(ARGV[8]) / 1000)
 else
   local t = redis.call('TIME')
   now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local lid, tokens, day, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local lid, tokens, day, week, month, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local bar = string.find(spec, '|', 1, true)
 for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+),(%d+),(%d+),(%d+)') do
   if tokens > 0 and tonumber(tpm) > 0 then
@@ -278,12 +295,12 @@ for base, rpm, tpm, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+
   end
   if tonumber(conc) > 0 then redis.call('ZREM', base .. ':c', lid) end
 end
-local reserved = ARGV[6]
-for base, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,(%d)') do
+local reserved = ARGV[7]
+for base, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,%d+,(%d)') do
   if hard == '1' and reserved ~= '0' then redis.call('ZREM', base .. ':h', lid .. ':' .. reserved) end
   if tokens > 0 then
     -- a counter Redis lost is rebuilt from the usage records (this request's among them), not started here
-    for _, k in ipairs({base .. ':d:' .. day, base .. ':m:' .. month}) do
+    for _, k in ipairs({base .. ':d:' .. day, base .. ':w:' .. week, base .. ':m:' .. month}) do
       if redis.call('EXISTS', k) == 1 then redis.call('INCRBY', k, tokens) end
     end
   end
@@ -291,19 +308,19 @@ end
 return 1
 """
 
-# ARGV: lease id, spec, day, month, "1" to void the lease id (an admission that timed out), "1" to
-# drop the budget counters (a settlement that may not have charged them), the tokens its admission
+# ARGV: lease id, spec, day, week, month, "1" to void the lease id (an admission that timed out), "1"
+# to drop the budget counters (a settlement that may not have charged them), the tokens its admission
 # reserved (its holds are dropped). Idempotent.
 REPAIR = """
-local lid, spec, day, month = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local lid, spec, day, week, month = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local bar = string.find(spec, '|', 1, true)
-if ARGV[5] == '1' then redis.call('SET', '@PREFIX@void:' .. lid, 1, 'PX', @VOID_TTL@) end
+if ARGV[6] == '1' then redis.call('SET', '@PREFIX@void:' .. lid, 1, 'PX', @VOID_TTL@) end
 for base, conc in string.gmatch(string.sub(spec, 1, bar - 1), '([^,;]+),%d+,%d+,(%d+)') do
   if tonumber(conc) > 0 then redis.call('ZREM', base .. ':c', lid) end
 end
-for base, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,(%d)') do
-  if ARGV[6] == '1' then redis.call('DEL', base .. ':d:' .. day, base .. ':m:' .. month) end
-  if hard == '1' and ARGV[7] ~= '0' then redis.call('ZREM', base .. ':h', lid .. ':' .. ARGV[7]) end
+for base, hard in string.gmatch(string.sub(spec, bar + 1), '([^,;]+),%d+,%d+,%d+,(%d)') do
+  if ARGV[7] == '1' then redis.call('DEL', base .. ':d:' .. day, base .. ':w:' .. week, base .. ':m:' .. month) end
+  if hard == '1' and ARGV[8] ~= '0' then redis.call('ZREM', base .. ':h', lid .. ':' .. ARGV[8]) end
 end
 return 1
 """
@@ -337,6 +354,15 @@ class Budget:
     daily: int | None
     monthly: int | None
     hard: bool
+    weekly: int | None = None  # (last, so that a budget of a day and a month reads as it always has)
+
+    @property
+    def limits(self) -> tuple[int | None, int | None, int | None]:
+        """Per period of ``PERIODS``: day, week, month."""
+        return self.daily, self.weekly, self.monthly
+
+    def limit(self, kind: str) -> int | None:
+        return self.limits[PERIODS.index(kind)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,14 +379,14 @@ class Plan:
     @classmethod
     def build(cls, levels, budgets) -> "Plan":
         return cls(levels=tuple(level for level in levels if level.limited),
-                   budgets=tuple(b for b in budgets if b.daily or b.monthly))
+                   budgets=tuple(b for b in budgets if any(b.limits)))
 
     @functools.cached_property
     def spec(self) -> str:
         levels = ";".join(f"{PREFIX}rl:{level.ident},{level.rpm or 0},{level.tpm or 0},{level.concurrency or 0}"
                           for level in self.levels)
-        budgets = ";".join(f"{PREFIX}budget:{b.path},{b.daily or 0},{b.monthly or 0},{1 if b.hard else 0}"
-                           for b in self.budgets)
+        budgets = ";".join(f"{PREFIX}budget:{b.path},{b.daily or 0},{b.weekly or 0},{b.monthly or 0},"
+                           f"{1 if b.hard else 0}" for b in self.budgets)
         return f"{levels}|{budgets}"
 
     @functools.cached_property
@@ -383,23 +409,28 @@ class Admission:
     budget_warning: bool = False
 
 
-_period_cache: list = [-1, ("", "")]
+_period_cache: list = [-1, ("", "", "")]
 
 
-def _periods(now: float) -> tuple[str, str]:
-    """(day, month) in UTC, recomputed once a minute."""
+def _periods(now: float) -> tuple[str, str, str]:
+    """(day, ISO week, month) in UTC as budgets key them, recomputed once a minute."""
     minute = int(now // 60)
     if _period_cache[0] != minute:
         moment = datetime.fromtimestamp(now, timezone.utc)
-        _period_cache[:] = [minute, (moment.strftime("%Y%m%d"), moment.strftime("%Y%m"))]
+        year, week, _ = moment.isocalendar()
+        _period_cache[:] = [minute, (moment.strftime("%Y%m%d"), f"{year:04d}{week:02d}", moment.strftime("%Y%m"))]
     return _period_cache[1]
 
 
-def period_bounds(period: str) -> tuple[datetime, datetime]:
-    """[start, end) in UTC of a day (``YYYYMMDD``) or a month (``YYYYMM``) as budgets key them."""
-    if len(period) == 8:
+def period_bounds(period: str, kind: str) -> tuple[datetime, datetime]:
+    """[start, end) in UTC of a day (``d``, ``YYYYMMDD``), an ISO week (``w``, ``YYYYWW``: the ISO
+    year and week, Monday to Monday) or a month (``m``, ``YYYYMM``) as budgets key them."""
+    if kind == "d":
         start = datetime.strptime(period, "%Y%m%d").replace(tzinfo=timezone.utc)
         return start, start + timedelta(days=1)
+    if kind == "w":
+        start = datetime.fromisocalendar(int(period[:4]), int(period[4:]), 1).replace(tzinfo=timezone.utc)
+        return start, start + timedelta(days=7)
     start = datetime.strptime(period, "%Y%m").replace(tzinfo=timezone.utc)
     end = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
     return start, end
@@ -415,10 +446,12 @@ def spent_in_database(path: str, since: datetime, until: datetime) -> int:
 
 
 def _end_of_period(now: float, kind: str) -> float:
+    """Seconds from ``now`` to the end of its UTC ``day``, ISO ``week`` or ``month``."""
     moment = datetime.fromtimestamp(now, timezone.utc)
-    if kind == "day":
+    if kind in ("day", "week"):
         start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
-        return start.timestamp() + 86400 - now
+        days = 1 if kind == "day" else 7 - moment.weekday()  # (Monday is 0)
+        return start.timestamp() + days * 86400 - now
     year, month = (moment.year + 1, 1) if moment.month == 12 else (moment.year, moment.month + 1)
     return datetime(year, month, 1, tzinfo=timezone.utc).timestamp() - now
 
@@ -452,7 +485,8 @@ def _microseconds(now: float) -> str:
     return str(int(now * 1_000_000))
 
 
-def _settlement_repair(lid: str, tokens: int, day: str, month: str, spec: str, reserved: int) -> tuple | None:
+def _settlement_repair(lid: str, tokens: int, day: str, week: str, month: str, spec: str,
+                       reserved: int) -> tuple | None:
     """``REPAIR``'s arguments for a settlement that may not have run (None when it had nothing to undo):
     release the lease and the hold, and drop the budget counters it charges, to be rebuilt from the
     usage records."""
@@ -461,7 +495,7 @@ def _settlement_repair(lid: str, tokens: int, day: str, month: str, spec: str, r
     reseed = bool(tokens and budgets)
     if not (leased or reseed or reserved):
         return None
-    return (lid, spec, day, month, "0", "1" if reseed else "0", str(reserved))
+    return (lid, spec, day, week, month, "0", "1" if reseed else "0", str(reserved))
 
 
 def limiter_client(url: str, timeout: float):
@@ -529,16 +563,16 @@ class Limiter:
         if plan.empty or self._admit is None:
             return Admission(headers=[])
         now = self.clock() if self.clock is not None else time.time()
-        day, month = _periods(now)
+        periods = _periods(now)
         lid = self._lease_id()
         reserve = reserve if plan.reserves else 0
-        args = (lid, self.lease_ms, day, month, plan.spec, reserve)
+        args = (lid, self.lease_ms, *periods, plan.spec, reserve)
         if self.clock is not None:
             args += (_microseconds(now),)
         try:
             result = await self._admit(keys=(), args=args)
             if result[0] == 2:  # budget counters lost: rebuilt, then asked again
-                await self._seed(plan, result[5:], day, month)
+                await self._seed(plan, result[5:], periods)
                 result = await self._admit(keys=(), args=args)
                 if result[0] == 2:
                     raise LimiterUnavailable("Token budgets cannot be checked right now; retry shortly.",
@@ -546,21 +580,21 @@ class Limiter:
         except BaseException as exc:
             if (plan.leased or reserve) and not isinstance(exc, LimiterUnavailable):
                 # Timed out, cancelled or cut off: it may still run later. Void its lease id (and hold).
-                self._queue_repairs([(lid, plan.spec, day, month, "1", "0", str(reserve))])
+                self._queue_repairs([(lid, plan.spec, *periods, "1", "0", str(reserve))])
             raise
         admission = self._decide(plan, result, now, reserve)
         if plan.leased or reserve:
             self._held.setdefault(request_id, []).append(lid)
         return admission
 
-    async def _seed(self, plan: Plan, missing: list, day: str, month: str) -> None:
+    async def _seed(self, plan: Plan, missing: list, periods: tuple[str, str, str]) -> None:
         """Rebuild the missing budget counters from the usage records, one database read per counter
         and process at a time (requests that find it missing meanwhile wait for the same read)."""
         jobs = []
         for name in missing:
             name = name.decode() if isinstance(name, bytes) else str(name)
             budget, kind = plan.budgets[int(name[:-1]) - 1], name[-1]
-            period = day if kind == "d" else month
+            period = periods[PERIODS.index(kind)]
             key = f"{PREFIX}budget:{budget.path}:{kind}:{period}"
             job = self._seeding.get(key)
             if job is None:
@@ -571,7 +605,7 @@ class Limiter:
         await asyncio.gather(*jobs)
 
     async def _rebuild(self, key: str, path: str, kind: str, period: str) -> None:
-        since, until = period_bounds(period)
+        since, until = period_bounds(period, kind)
         try:
             total = await run_db(self.spent, path, since, until)
         except Exception as exc:  # noqa: BLE001 - the database cannot say: refuse rather than forget a budget
@@ -603,16 +637,20 @@ class Limiter:
                 details={"level": level.name, "limit": level.concurrency})
             retry = 1.0
         elif kind == "budget":
-            budget = plan.budgets[index - 1]
-            room, period = result[5 + 4 * len(plan.levels):][:2] or (0, b"d" if budget.daily else b"m")
-            room, period = int(room), "day" if period in (b"d", "d") else "month"
-            said = (f"The {'daily' if period == 'day' else 'monthly'} token budget of {budget.path} is used up."
+            budget = plan.budgets[index - 1]  # the one with the tightest period (ADMIT chose it)
+            room, code = result[5 + 4 * len(plan.levels):][:2]
+            room, code = int(room), code.decode() if isinstance(code, bytes) else code
+            period, adjective = PERIOD_NAMES[code]
+            said = (f"The {adjective} token budget of {budget.path} is used up."
                     if room <= 0 else
-                    f"The {'daily' if period == 'day' else 'monthly'} token budget of {budget.path} has room for "
+                    f"The {adjective} token budget of {budget.path} has room for "
                     f"{room} tokens, counting what requests in flight may use; this one may use up to {reserve} "
                     "(its prompt and the output it asks for): ask for less output, or wait.")
-            error = BudgetExceeded(said, details={"scope": budget.path, "daily": budget.daily, "monthly": budget.monthly,
-                                                  "period": period, "room": room, "reserved": reserve})
+            error = BudgetExceeded(said, details={
+                "scope": budget.path, "daily": budget.daily, "weekly": budget.weekly, "monthly": budget.monthly,
+                "budget": adjective, "limit": budget.limit(code), "period": period, "room": room,
+                "reserved": reserve})
+            # Used up: not before its period ends (of periods used up, it is the longest: ADMIT's choice).
             retry = _end_of_period(now, period) if room <= 0 else 1.0
         else:
             level = plan.levels[index - 1]
@@ -635,8 +673,7 @@ class Limiter:
         if not plan.settles:
             return
         now = self.clock() if self.clock is not None else time.time()
-        day, month = _periods(now)
-        args = (self._take_lease(plan, request_id), max(0, int(tokens or 0)), day, month, plan.spec,
+        args = (self._take_lease(plan, request_id), max(0, int(tokens or 0)), *_periods(now), plan.spec,
                 reserved if plan.reserves else 0)
         if self.clock is not None:
             args += (_microseconds(now),)
@@ -657,7 +694,7 @@ class Limiter:
                 log.exception("could not settle %d gateway requests in Redis; repairing when it answers", len(batch))
                 # Whether they ran is unknown: release their leases and let the budgets they charge be
                 # rebuilt from the usage records (charging again might count them twice).
-                self._queue_repairs([repair for args in batch if (repair := _settlement_repair(*args[:6]))])
+                self._queue_repairs([repair for args in batch if (repair := _settlement_repair(*args[:7]))])
 
     def _queue_repairs(self, repairs: list[tuple]) -> None:
         self._repairs.extend(repairs)
@@ -705,7 +742,7 @@ class Limiter:
 class LocalLimiter(Limiter):
     """The same limits kept in this process, for the embedded mode (no ``REDIS_URL``): one process
     is the whole fleet there, so its own counters are exact. Same semantics as ``ADMIT``/``SETTLE``
-    — exact sliding one-minute logs, concurrency leases that expire, day and month budgets charged
+    — exact sliding one-minute logs, concurrency leases that expire, day, week and month budgets charged
     from real usage (rebuilt from the usage records when this process starts, as after a Redis
     loss), hard or soft — and the same headers and refusals. Settling is immediate (no I/O). The
     clock is this process's ``time.time()``."""
@@ -718,12 +755,12 @@ class LocalLimiter(Limiter):
         self._tokens: dict[str, collections.deque] = {}  # "<base>" → (settle time ms, tokens), oldest first
         self._token_sums: dict[str, int] = {}
         self._leases: dict[str, dict[str, int]] = {}  # "<base>:c" → {lease id: expiry ms}
-        self._budgets: dict[str, int] = {}  # "<base>:d:<day>", "<base>:m:<month>" → tokens
+        self._budgets: dict[str, int] = {}  # "<base>:d:<day>", "<base>:w:<week>", "<base>:m:<month>" → tokens
         self._holds: dict[str, dict[str, tuple[int, int]]] = {}  # "<base>:h" → {lease id: (tokens, expiry ms)}
         self._swept_minute = -1
         self._setup()
 
-    def _sweep(self, minute: int, cutoff: int, day: str, month: str) -> None:
+    def _sweep(self, minute: int, cutoff: int, periods: tuple[str, str, str]) -> None:
         """Once a minute: forget logs with nothing in the window and budgets of past periods."""
         self._swept_minute = minute
         for base in [base for base, times in self._requests.items() if not times or times[-1] <= cutoff]:
@@ -731,35 +768,35 @@ class LocalLimiter(Limiter):
         for base in [base for base, entries in self._tokens.items() if not entries or entries[-1][0] <= cutoff]:
             del self._tokens[base]
             self._token_sums.pop(base, None)
+        current = dict(zip(PERIODS, periods))
         for key in list(self._budgets):
             _, kind, period = key.rsplit(":", 2)
-            if (kind == "d" and period != day) or (kind == "m" and period != month):
+            if period != current[kind]:
                 del self._budgets[key]
         for key in [key for key, leases in self._leases.items() if not leases]:
             del self._leases[key]
         for key in [key for key, holds in self._holds.items() if not holds]:
             del self._holds[key]
 
-    def _missing(self, plan: Plan, day: str, month: str) -> list[str]:
+    def _missing(self, plan: Plan, periods: tuple[str, str, str]) -> list[str]:
         missing = []
         for j, budget in enumerate(plan.budgets, start=1):
             base = f"{PREFIX}budget:{budget.path}"
-            if budget.daily and f"{base}:d:{day}" not in self._budgets:
-                missing.append(f"{j}d")
-            if budget.monthly and f"{base}:m:{month}" not in self._budgets:
-                missing.append(f"{j}m")
+            for kind, period, limit in zip(PERIODS, periods, budget.limits):
+                if limit and f"{base}:{kind}:{period}" not in self._budgets:
+                    missing.append(f"{j}{kind}")
         return missing
 
     async def _store_seed(self, key: str, total: int, kind: str) -> None:
         self._budgets.setdefault(key, total)
 
-    def _evaluate(self, plan: Plan, lid: str, now: float, day: str, month: str, reserve: int = 0) -> list:
+    def _evaluate(self, plan: Plan, lid: str, now: float, periods: tuple[str, str, str], reserve: int = 0) -> list:
         """``ADMIT`` in Python: the same checks, charges and answer."""
         now_ms = int(now * 1000)
         cutoff = now_ms - WINDOW_MS
         minute = int(now) // 60
         if minute != self._swept_minute:
-            self._sweep(minute, cutoff, day, month)
+            self._sweep(minute, cutoff, periods)
         allowed, kind, index, wait = 1, "", 0, 0
         figures: list[int] = []
         for i, level in enumerate(plan.levels, start=1):
@@ -802,23 +839,30 @@ class LocalLimiter(Limiter):
                 if allowed == 1 and n + 1 > level.concurrency:
                     allowed, kind, index = 0, "concurrency", i
             figures += [rn, max(0, rreset), max(0, tsum), max(0, treset)]
-        warn, room_left = 0, []
+        # Hard budgets: what is spent, what requests in flight hold and this reservation must fit every
+        # period of every one; the tightest binds (as ADMIT: least room, then the longest period, then
+        # the nearest scope).
+        warn, tight = 0, None  # tight: (room, period's position in PERIODS, budget index)
         budgets = self._budgets
         for j, budget in enumerate(plan.budgets, start=1):
             base = f"{PREFIX}budget:{budget.path}"
-            daily, monthly = budgets.get(f"{base}:d:{day}", 0), budgets.get(f"{base}:m:{month}", 0)
-            if budget.hard:  # what is spent, what requests in flight hold and this reservation must fit
+            spent = [budgets.get(f"{base}:{kind}:{period}", 0) for kind, period in zip(PERIODS, periods)]
+            if budget.hard:
                 holds = self._holds.get(f"{base}:h", {})
                 for held in [held for held, (_, until) in holds.items() if until <= now_ms]:
                     del holds[held]
                 held = sum(tokens for tokens, _ in holds.values())
-                rooms = ([(budget.daily - daily - held, "d")] if budget.daily else []) + \
-                        ([(budget.monthly - monthly - held, "m")] if budget.monthly else [])
-                room, period = min(rooms, key=lambda pair: pair[0])
-                if allowed == 1 and (room <= 0 or reserve > room):
-                    allowed, kind, index, room_left = 0, "budget", j, [max(0, room), period]
-            elif (budget.daily and daily >= budget.daily) or (budget.monthly and monthly >= budget.monthly):
+                for p in (2, 1, 0):
+                    limit = budget.limits[p]
+                    if limit:
+                        room = max(0, limit - spent[p] - held)
+                        if tight is None or room < tight[0] or (room == tight[0] and p > tight[1]):
+                            tight = (room, p, j)
+            elif any(limit and spent[p] >= limit for p, limit in enumerate(budget.limits)):
                 warn += 1
+        room_left = []
+        if allowed == 1 and tight is not None and (tight[0] <= 0 or reserve > tight[0]):
+            allowed, kind, index, room_left = 0, "budget", tight[2], [tight[0], PERIODS[tight[1]]]
         if allowed == 1:
             for i, level in enumerate(plan.levels):
                 base = f"{PREFIX}rl:{level.ident}"
@@ -839,13 +883,13 @@ class LocalLimiter(Limiter):
         if plan.empty:
             return Admission(headers=[])
         now = self.clock()
-        day, month = _periods(now)
-        missing = self._missing(plan, day, month)
+        periods = _periods(now)
+        missing = self._missing(plan, periods)
         if missing:  # this process has not counted them yet (it started since): from the usage records
-            await self._seed(plan, missing, day, month)
+            await self._seed(plan, missing, periods)
         lid = self._lease_id()
         reserve = reserve if plan.reserves else 0
-        admission = self._decide(plan, self._evaluate(plan, lid, now, day, month, reserve), now, reserve)
+        admission = self._decide(plan, self._evaluate(plan, lid, now, periods, reserve), now, reserve)
         if plan.leased or reserve:
             self._held.setdefault(request_id, []).append(lid)
         return admission
@@ -855,7 +899,7 @@ class LocalLimiter(Limiter):
         if plan.empty or not plan.settles:
             return
         now = self.clock()
-        day, month = _periods(now)
+        periods = _periods(now)
         now_ms = int(now * 1000)
         tokens = max(0, int(tokens or 0))
         lid = self._take_lease(plan, request_id)
@@ -879,7 +923,7 @@ class LocalLimiter(Limiter):
             budgets = self._budgets
             for budget in plan.budgets:
                 base = f"{PREFIX}budget:{budget.path}"
-                for key in (f"{base}:d:{day}", f"{base}:m:{month}"):
+                for key in (f"{base}:{kind}:{period}" for kind, period in zip(PERIODS, periods)):
                     if key in budgets:  # (one not counted yet is rebuilt from the records, this one's included)
                         budgets[key] += tokens
 

@@ -258,6 +258,7 @@ class ContractChainTable(RecordTable):
         Column("TPM", _figure("tpm_limit"), numeric=True),
         Column("Concurrent", _figure("concurrency_limit"), numeric=True),
         Column("Tokens/day", _figure("daily_token_budget"), numeric=True),
+        Column("Tokens/week", _figure("weekly_token_budget"), numeric=True),
         Column("Tokens/month", _figure("monthly_token_budget"), numeric=True),
         Column("Budget", lambda c: c.get_budget_mode_display()),
     )

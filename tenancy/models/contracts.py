@@ -14,6 +14,7 @@ RATE_FIGURES = (
     ("tpm_limit", "token rate", "tokens/min"),
     ("concurrency_limit", "concurrent requests", ""),
     ("daily_token_budget", "daily token budget", "tokens"),
+    ("weekly_token_budget", "weekly token budget", "tokens"),
     ("monthly_token_budget", "monthly token budget", "tokens"),
 )
 
@@ -42,6 +43,7 @@ class Contract(models.Model):
     tpm_limit = models.PositiveBigIntegerField(null=True, blank=True)
     concurrency_limit = models.PositiveIntegerField(null=True, blank=True)
     daily_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    weekly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)  # an ISO week, from Monday 00:00 UTC
     monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
     budget_mode = models.CharField(max_length=4, choices=BudgetMode.choices, default=BudgetMode.HARD)
     updated_at = models.DateTimeField(auto_now=True)

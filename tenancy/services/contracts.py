@@ -99,7 +99,7 @@ def _figures(contract: Contract | None) -> dict:
 
 
 GUARANTEE_FIELDS = tuple(f"{stem}_guarantee" for stem in CAPACITY)
-BUDGET_FIELDS = ("daily_token_budget", "monthly_token_budget")
+BUDGET_FIELDS = ("daily_token_budget", "weekly_token_budget", "monthly_token_budget")
 
 
 def _raised_limits(before: dict, after: dict) -> list[str]:

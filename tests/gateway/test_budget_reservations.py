@@ -37,9 +37,9 @@ def nothing_spent_before(path, since, until):
     return 0
 
 
-def plan(ident, daily=None, monthly=None, hard=True):
+def plan(ident, daily=None, monthly=None, hard=True, weekly=None):
     return Plan.build([Level("client", f"client:{ident}", 1000, None, None)],
-                      [Budget(f"org{ident[:10]}", daily, monthly, hard)])
+                      [Budget(f"org{ident[:10]}", daily, monthly, hard, weekly=weekly)])
 
 
 @pytest.fixture(params=["redis", "local"])
@@ -126,6 +126,126 @@ def test_a_reservation_larger_than_the_room_left_is_refused_naming_both(limiters
     assert asyncio.run(steps())
 
 
+def test_reservations_in_flight_together_never_overshoot_a_nearly_spent_weekly_budget(limiters):
+    """The weekly counter holds against requests in flight as the daily one does, while the day and
+    the month have room to spare."""
+    clock = Clock()
+    ident = limiters.ident
+
+    async def steps():
+        fleet = limiters(3, clock)
+        p = plan(ident, daily=100_000, weekly=1000, monthly=1_000_000)
+        assert await try_admit(fleet[0], p, "first", 700) is None
+        fleet[0].settle(p, "first", 700, 700)
+        await fleet[0].drain()
+        outcomes = await asyncio.gather(*(try_admit(fleet[i % 3], p, f"r{i}", 40) for i in range(24)))
+        admitted = [i for i, refused in enumerate(outcomes) if refused is None]
+        assert len(admitted) == 7  # 300 left: seven reservations of 40, and not one more
+        refused = next(r for r in outcomes if r is not None)
+        assert refused.details["period"] == "week" and refused.details["budget"] == "weekly"
+        assert refused.details["room"] == 20 and refused.details["limit"] == 1000
+        assert refused.message.startswith("The weekly token budget of ")
+        for i in admitted:  # each used all it reserved: the week is spent to the token, not past it
+            fleet[i % 3].settle(p, f"r{i}", 40, 40)
+        for limiter in fleet:
+            await limiter.drain()
+        spent = await try_admit(fleet[1], p, "after", 20)
+        assert spent is None  # the 20 tokens left fit exactly
+        fleet[1].settle(p, "after", 20, 20)
+        await fleet[1].drain()
+        used_up = await try_admit(fleet[2], p, "late", 1)
+        assert used_up is not None and used_up.details["room"] == 0
+        assert used_up.message == f"The weekly token budget of org{ident[:10]} is used up."
+        # Not before Monday 00:00 UTC: START is a Tuesday, 2023-11-14 22:14:20.
+        assert int(dict(used_up.headers)[b"retry-after"]) == 6 * 86400 - (22 * 3600 + 14 * 60 + 20)
+        return True
+
+    assert asyncio.run(steps())
+
+
+@pytest.mark.parametrize(("spend", "period", "room"), [
+    (150, "day", 50),  # day 200, week 500, month 2000: after 150, the day has least room
+    (0, "week", 150),  # a week already 350 in (yesterday) binds before the day's 200
+    (0, "month", 100),  # and a month already 1900 in binds tighter than either
+])
+def test_day_week_and_month_on_one_scope_the_tightest_is_reported(limiters, spend, period, room):
+    clock = Clock()
+    ident = limiters.ident
+
+    async def steps():
+        [limiter] = limiters(1, clock)
+        p = plan(ident, daily=200, weekly=500, monthly=2000)
+        if period == "week":  # spent earlier this week: yesterday, a day whose counter is gone
+            clock.now = START - 86400
+            assert await try_admit(limiter, p, "yesterday", 0) is None
+            limiter.settle(p, "yesterday", 350)
+            await limiter.drain()
+            clock.now = START
+        if period == "month":  # and earlier this month, the week before
+            clock.now = START - 7 * 86400
+            assert await try_admit(limiter, p, "last week", 0) is None
+            limiter.settle(p, "last week", 1900)
+            await limiter.drain()
+            clock.now = START
+        assert await try_admit(limiter, p, "a", 0) is None
+        limiter.settle(p, "a", spend)
+        await limiter.drain()
+        refused = await try_admit(limiter, p, "b", room + 1)
+        adjective = {"day": "daily", "week": "weekly", "month": "monthly"}[period]
+        assert (refused.details["period"], refused.details["budget"], refused.details["room"]) == \
+            (period, adjective, room)
+        assert refused.message.startswith(f"The {adjective} token budget of org{ident[:10]} has room for {room} ")
+        assert (refused.details["daily"], refused.details["weekly"], refused.details["monthly"]) == (200, 500, 2000)
+        assert await try_admit(limiter, p, "c", room) is None  # what fits the tightest is admitted
+        return True
+
+    assert asyncio.run(steps())
+
+
+def test_periods_used_up_together_report_the_longest_and_retry_after_its_end(limiters):
+    """A day and a week both used up: the week binds for longer, so it is named and Retry-After waits
+    for Monday, not for midnight (the day's end would admit nothing)."""
+    clock = Clock()
+    ident = limiters.ident
+
+    async def steps():
+        [limiter] = limiters(1, clock)
+        p = plan(ident, daily=300, weekly=300, monthly=10_000)
+        assert await try_admit(limiter, p, "a", 0) is None
+        limiter.settle(p, "a", 350)  # more than both (a request served whole past the edge)
+        await limiter.drain()
+        refused = await try_admit(limiter, p, "b", 10)
+        assert refused.details["period"] == "week" and refused.details["room"] == 0
+        assert "weekly token budget" in refused.message and "is used up" in refused.message
+        assert int(dict(refused.headers)[b"retry-after"]) > 86400
+        return True
+
+    assert asyncio.run(steps())
+
+
+def test_budgets_up_the_tree_the_tightest_of_any_is_reported(limiters):
+    """A project's daily budget has room for 400; its organisation's weekly one for 100: the
+    organisation's week binds, and is named, though the project's day is nearer."""
+    clock = Clock()
+    ident = limiters.ident
+
+    async def steps():
+        [limiter] = limiters(1, clock)
+        org, project = f"org{ident[:10]}", f"org{ident[:10]}/ml/search"
+        p = Plan.build([Level("client", f"client:{ident}", 1000, None, None)],
+                       [Budget(project, 1000, None, True), Budget(org, None, None, True, weekly=700)])
+        assert await try_admit(limiter, p, "a", 0) is None
+        limiter.settle(p, "a", 600)
+        await limiter.drain()
+        refused = await try_admit(limiter, p, "b", 150)
+        assert refused.details["scope"] == org and refused.details["period"] == "week"
+        assert refused.details["room"] == 100
+        assert refused.message.startswith(f"The weekly token budget of {org} has room for 100 tokens")
+        return True
+
+    assert asyncio.run(steps())
+
+
 def test_a_hold_whose_request_never_settled_goes_with_its_lease(limiters):
     clock = Clock()
     ident = limiters.ident
@@ -178,11 +298,14 @@ def test_what_a_request_reserves(endpoint, payload, cap, context, expected):
 
 @pytest.mark.llama
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("figure", ["daily_token_budget", "weekly_token_budget"])
 def test_concurrent_requests_against_a_nearly_spent_hard_budget_overshoot_it_by_zero_tokens(
-        gateway, gateway_b, tiny_engine, deploy, make_key, tree):
+        gateway, gateway_b, tiny_engine, deploy, make_key, tree, figure):
     deploy("tiny", tiny_engine, task="completion")
     budget = 1000
-    contracts.set_contract(tree.actor, tree.org, daily_token_budget=budget, budget_mode="hard")
+    # The other periods have room to spare: only the one under test binds.
+    roomy = {name: 10**9 for name in ("daily_token_budget", "weekly_token_budget", "monthly_token_budget")}
+    contracts.set_contract(tree.actor, tree.org, budget_mode="hard", **(roomy | {figure: budget}))
     caller = make_key()
 
     def complete(process, max_tokens):

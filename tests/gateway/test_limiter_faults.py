@@ -21,8 +21,8 @@ from tests.assets.redis_server import RedisServer
 from tests.assets.waiting import wait_until
 from tests.gateway.conftest import GatewayProcess
 
-NOW = datetime(2026, 3, 14, 15, 9, 26, tzinfo=timezone.utc).timestamp()
-DAY, MONTH = "20260314", "202603"
+NOW = datetime(2026, 3, 14, 15, 9, 26, tzinfo=timezone.utc).timestamp()  # a Saturday
+DAY, WEEK, MONTH = "20260314", "202611", "202603"  # ISO week 11: Monday 9 March to Monday 16 March
 
 
 class Clock:
@@ -67,10 +67,10 @@ def spent(path, since, until):
         connection.close()
 
 
-def budget_plan(path: str, daily=None, monthly=None, **level) -> Plan:
+def budget_plan(path: str, daily=None, monthly=None, weekly=None, **level) -> Plan:
     levels = [Level("client", f"client:{uuid.uuid4().hex}", level.get("rpm"), level.get("tpm"),
                     level.get("concurrency"))]
-    return Plan.build(levels, [Budget(path, daily, monthly, True)] if daily or monthly else [])
+    return Plan.build(levels, [Budget(path, daily, monthly, True, weekly=weekly)] if daily or weekly or monthly else [])
 
 
 def connect(server: RedisServer, timeout: float = 0.25):
@@ -125,6 +125,84 @@ def test_an_exhausted_budget_is_rebuilt_from_the_usage_records_after_redis_resta
             await client.aclose()
 
     assert asyncio.run(steps()) == (1100, 8100)
+
+
+def record_this_week_and_around(org: str) -> None:
+    """Today 300, Wednesday 500 (this week), Sunday 4,000 (last week, this month), and another
+    organisation whose slug starts the same."""
+    record(f"{org}/ml/search", 300)
+    record(f"{org}/ml", 500, at=NOW - 3 * 86400)
+    record(f"{org}/ml/search", 4000, at=datetime(2026, 3, 8, 23, 59, tzinfo=timezone.utc).timestamp())
+    record(f"{org}x/ml/search", 9000)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_week_counter_is_rebuilt_from_this_weeks_usage_records(private_redis):
+    """Redis loses the week's counter alone (an eviction): it is rebuilt from the records of Monday on,
+    and the week, used up though the day and the month have room, still refuses."""
+    org = "o" + uuid.uuid4().hex[:10]
+    plan = budget_plan(org, daily=1000, weekly=1000, monthly=50_000)
+    record_this_week_and_around(org)
+
+    async def counters(client):
+        found = await client.mget([f"{PREFIX}budget:{org}:{kind}:{period}"
+                                   for kind, period in (("d", DAY), ("w", WEEK), ("m", MONTH))])
+        return tuple(int(count) for count in found)
+
+    async def steps():
+        client = connect(private_redis)
+        limiter = Limiter(client, lease_seconds=60, clock=Clock(), spent=spent)
+        try:
+            await limiter.admit(plan, "a")  # 800 of the week's 1,000: admitted
+            assert await counters(client) == (300, 800, 4800)
+            limiter.settle(plan, "a", 250)
+            await limiter.drain()
+            await record_meanwhile(f"{org}/ml/search", 250)
+            error = await refused(limiter, plan)
+            assert isinstance(error, BudgetExceeded) and error.details["period"] == "week", error
+            assert await client.delete(f"{PREFIX}budget:{org}:w:{WEEK}") == 1
+            error = await refused(limiter, plan)
+            assert isinstance(error, BudgetExceeded) and error.details["period"] == "week", error
+            assert error.message == f"The weekly token budget of {org} is used up."
+            assert int(dict(error.headers)[b"retry-after"]) == round(
+                datetime(2026, 3, 16, tzinfo=timezone.utc).timestamp() - NOW)  # Monday 00:00
+            return await counters(client)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(steps()) == (550, 1050, 5050)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_settlement_redis_may_have_missed_drops_the_week_counter_with_the_others(private_redis):
+    """A settlement cut off by a stalled Redis may or may not have charged: once Redis answers, the
+    day's, week's and month's counters go, to be rebuilt from the usage records."""
+    org = "o" + uuid.uuid4().hex[:10]
+    plan = budget_plan(org, daily=1000, weekly=5000, monthly=50_000)
+    keys = [f"{PREFIX}budget:{org}:{kind}:{period}" for kind, period in (("d", DAY), ("w", WEEK), ("m", MONTH))]
+
+    async def steps():
+        client = connect(private_redis, timeout=0.2)
+        limiter = Limiter(client, lease_seconds=60, clock=Clock(), spent=spent)
+        try:
+            await limiter.admit(plan, "a")
+            assert await client.exists(*keys) == 3
+            private_redis.pause()
+            try:
+                limiter.settle(plan, "a", 40)
+                await limiter.drain()  # it times out: the repair waits for Redis
+            finally:
+                private_redis.resume()
+
+            async def dropped():
+                return await client.exists(*keys) == 0
+
+            await eventually(dropped, 15, "the budget counters dropped")
+            return True
+        finally:
+            await limiter.aclose()
+
+    assert asyncio.run(steps())
 
 
 @pytest.mark.django_db(transaction=True)
@@ -183,6 +261,27 @@ def test_the_embedded_limiter_rebuilds_budgets_from_the_usage_records_when_it_st
         return await refused(restarted, plan)
 
     assert isinstance(asyncio.run(steps()), BudgetExceeded)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_embedded_limiter_rebuilds_the_week_from_the_usage_records_when_it_starts():
+    org = "o" + uuid.uuid4().hex[:10]
+    plan = budget_plan(org, daily=1000, weekly=1000, monthly=50_000)
+    record_this_week_and_around(org)
+
+    async def steps():
+        first = LocalLimiter(lease_seconds=60, clock=Clock(), spent=spent)
+        await first.admit(plan, "a")  # 800 this week
+        first.settle(plan, "a", 200)
+        await record_meanwhile(f"{org}/ml/search", 200)
+        error = await refused(first, plan)
+        assert isinstance(error, BudgetExceeded) and error.details["period"] == "week", error
+        restarted = LocalLimiter(lease_seconds=60, clock=Clock(), spent=spent)
+        return await refused(restarted, plan)
+
+    error = asyncio.run(steps())
+    assert isinstance(error, BudgetExceeded) and error.details["period"] == "week", error
+    assert error.details["room"] == 0 and "weekly token budget" in error.message
 
 
 def test_an_admission_cut_off_by_a_stalled_redis_holds_no_lease_once_it_wakes(private_redis):

@@ -6,12 +6,13 @@ import heapq
 import math
 import random
 import uuid
+from datetime import datetime, timezone
 
 import pytest
 from django.test import override_settings
 
 from gateway.errors import BudgetExceeded, ConcurrencyLimited, RateLimited
-from gateway.limits import Budget, Level, Limiter, LocalLimiter, Plan
+from gateway.limits import Budget, Level, Limiter, LocalLimiter, Plan, _end_of_period, _periods, period_bounds
 
 START = 1_700_000_060.0  # 20 s into a minute (1_700_000_040 is a minute boundary)
 
@@ -28,8 +29,9 @@ def plan(**levels):
     ident = uuid.uuid4().hex
     return Plan.build([Level("client", f"client:{ident}", levels.get("rpm"), levels.get("tpm"),
                              levels.get("concurrency"))],
-                      [Budget(f"org{ident[:6]}", levels.get("daily"), levels.get("monthly"), levels.get("hard", True))]
-                      if levels.get("daily") or levels.get("monthly") else [])
+                      [Budget(f"org{ident[:6]}", levels.get("daily"), levels.get("monthly"), levels.get("hard", True),
+                              weekly=levels.get("weekly"))]
+                      if levels.get("daily") or levels.get("weekly") or levels.get("monthly") else [])
 
 
 def nothing_spent_before(path, since, until):
@@ -207,6 +209,41 @@ def test_hard_budget_refuses_until_the_next_day_and_soft_budget_warns():
     assert admission.budget_warning
 
 
+def test_hard_weekly_budget_refuses_until_monday_though_day_and_month_have_room():
+    clock = Clock()  # START: Tuesday 2023-11-14 22:14:20 UTC, ISO week 46
+    limiter = LocalLimiter(lease_seconds=60, clock=clock, spent=nothing_spent_before)
+    p = plan(daily=1000, weekly=300, monthly=10_000)
+    for day in range(3):  # 100 a day: Tuesday, Wednesday, Thursday
+        clock.now = START + day * 86400
+        run(limiter.admit(p, f"r{day}"))
+        limiter.settle(p, f"r{day}", 100)
+    with pytest.raises(BudgetExceeded) as refused:
+        run(limiter.admit(p, "friday"))  # still Thursday: the day has 900 left, the month 9,700
+    assert refused.value.details["period"] == "week" and "weekly token budget" in refused.value.message
+    assert int(headers_of(refused.value)["retry-after"]) == 4 * 86400 - (22 * 3600 + 14 * 60 + 20)
+    clock.now = START + 4 * 86400  # Saturday: the same week
+    with pytest.raises(BudgetExceeded):
+        run(limiter.admit(p, "saturday"))
+    clock.now = datetime(2023, 11, 20, tzinfo=timezone.utc).timestamp()  # Monday 00:00: a new week
+    run(limiter.admit(p, "monday"))
+
+
+@pytest.mark.parametrize(("moment", "week", "start", "end"), [
+    (datetime(2026, 3, 14, 15, 9), "202611", datetime(2026, 3, 9), datetime(2026, 3, 16)),
+    (datetime(2026, 3, 16, 0, 0), "202612", datetime(2026, 3, 16), datetime(2026, 3, 23)),
+    (datetime(2026, 1, 1, 12, 0), "202601", datetime(2025, 12, 29), datetime(2026, 1, 5)),  # ISO year 2026
+    (datetime(2027, 1, 1, 12, 0), "202653", datetime(2026, 12, 28), datetime(2027, 1, 4)),
+    (datetime(2021, 1, 3, 23, 59), "202053", datetime(2020, 12, 28), datetime(2021, 1, 4)),  # a 53-week year
+])
+def test_a_week_is_the_iso_week_from_monday_00_00_utc(moment, week, start, end):
+    now = moment.replace(tzinfo=timezone.utc).timestamp()
+    day, iso_week, month = _periods(now)
+    assert (day, iso_week, month) == (moment.strftime("%Y%m%d"), week, moment.strftime("%Y%m"))
+    assert period_bounds(week, "w") == (start.replace(tzinfo=timezone.utc), end.replace(tzinfo=timezone.utc))
+    assert _end_of_period(now, "week") == end.replace(tzinfo=timezone.utc).timestamp() - now
+    assert period_bounds(month, "m")[0] <= moment.replace(tzinfo=timezone.utc) < period_bounds(month, "m")[1]
+
+
 def test_every_level_is_checked_and_none_charged_on_refusal():
     clock = Clock()
     limiter = LocalLimiter(lease_seconds=60, clock=clock)
@@ -223,9 +260,13 @@ def test_every_level_is_checked_and_none_charged_on_refusal():
     assert headers_of(run(limiter.admit(alone, "c")))["x-ratelimit-remaining-requests"] == "98"
 
 
-@pytest.mark.parametrize("levels", [{"rpm": 2}, {"concurrency": 1}, {"daily": 5}, {"tpm": 5, "rpm": 5}])
+@pytest.mark.parametrize("levels", [{"rpm": 2}, {"concurrency": 1}, {"daily": 5}, {"tpm": 5, "rpm": 5},
+                                    {"weekly": 5}, {"daily": 20, "weekly": 5, "monthly": 30},
+                                    {"daily": 5, "weekly": 5, "monthly": 5}, {"daily": 8, "weekly": 50, "monthly": 5},
+                                    {"weekly": 4, "hard": False}])
 def test_same_answers_as_the_lua_script(levels, settings):
-    """The same sequence through Redis and in-process gives the same admissions, refusals and headers."""
+    """The same sequence through Redis and in-process gives the same admissions, refusals (what they
+    say but the random names) and headers."""
     import redis.asyncio as aioredis
 
     if not settings.REDIS_URL:
@@ -236,9 +277,10 @@ def test_same_answers_as_the_lua_script(levels, settings):
         for step in range(3):
             try:
                 admission = await limiter.admit(p, f"r{step}")
-                outcomes.append(("ok", headers_of(admission)))
+                outcomes.append(("ok", headers_of(admission), admission.budget_warning))
             except RateLimited as error:
-                outcomes.append((error.code, headers_of(error)))
+                said = {name: value for name, value in error.details.items() if name != "scope"}
+                outcomes.append((error.code, headers_of(error), said))
             if step == 0:
                 limiter.settle(p, f"r{step}", 5)
                 await limiter.drain()
@@ -257,7 +299,7 @@ def test_same_answers_as_the_lua_script(levels, settings):
 
     through_redis, in_process = run(both())
     assert through_redis == in_process
-    assert any(outcome[0] != "ok" for outcome in in_process)
+    assert any(outcome[0] != "ok" or outcome[2] is True for outcome in in_process)
 
 
 def test_the_gateway_chooses_the_local_limiter_without_redis():

@@ -38,6 +38,25 @@ def test_owner_sets_a_contract_and_patch_keeps_the_other_figures(personas, api):
     assert olivia.get(url(personas.acme.org)).json()["gpus_limit"] == "8.00"
 
 
+def test_a_weekly_token_budget_is_set_and_read_beside_the_daily_and_monthly(personas, api):
+    olivia = api(personas.olivia)
+    assert olivia.get(url(personas.acme.team)).json()["weekly_token_budget"] is None
+    put = olivia.put(url(personas.acme.team), {"daily_token_budget": 1000, "weekly_token_budget": 5000,
+                                               "monthly_token_budget": 20000})
+    assert put.status_code == 200, put.content
+    assert (put.json()["daily_token_budget"], put.json()["weekly_token_budget"], put.json()["monthly_token_budget"]) \
+        == (1000, 5000, 20000)
+    assert olivia.patch(url(personas.acme.team), {"weekly_token_budget": 4000}).json()["weekly_token_budget"] == 4000
+    assert Contract.objects.get(scope=personas.acme.team).weekly_token_budget == 4000
+    chain = olivia.get(CONTRACTS + "chain/", {"scope": "project:acme/ml/search"}).json()
+    assert [(row["scope_written"], row["weekly_token_budget"]) for row in chain] == [("team:acme/ml", 4000)]
+    refused = olivia.patch(url(personas.acme.team), {"weekly_token_budget": 4500})  # a raise: approval
+    assert (refused.status_code, error_code(refused)) == (428, "approval_required")
+    assert refused.json()["error"]["details"]["evidence"]["proposed"]["weekly_token_budget"] == "4500"
+    typed = olivia.patch(url(personas.acme.team), {"weekly_token_budget": -1})
+    assert typed.status_code == 400 and "weekly_token_budget" in typed.json()["error"]["details"]
+
+
 def test_member_and_viewer_cannot_change_contracts(personas, api):
     assert api(personas.max).patch(url(personas.acme.team), {"gpus_limit": 4}).status_code == 403
     assert api(personas.vera).patch(url(personas.acme.project), {"gpus_limit": 4}).status_code == 403

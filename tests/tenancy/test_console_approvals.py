@@ -31,6 +31,20 @@ def test_owner_sets_a_contract_and_sees_it_on_the_scope_page(personas, browse):
     assert "org:acme" in page and ">160<" in page and ">1000<" in page
 
 
+def test_the_contract_form_sets_a_weekly_budget_and_the_chain_shows_it(personas, browse):
+    olivia = browse(personas.olivia)
+    form = olivia.get(contract_url(personas.acme.team)).content.decode()
+    assert "Weekly token budget (tokens)" in form and 'name="weekly_token_budget"' in form
+    assert form.index('name="daily_token_budget"') < form.index('name="weekly_token_budget"') \
+        < form.index('name="monthly_token_budget"')
+    response = olivia.post(contract_url(personas.acme.team), {**FIGURES, "daily_token_budget": "1000",
+                                                              "weekly_token_budget": "5000"})
+    assert response.status_code == 302
+    assert Contract.objects.get(scope=personas.acme.team).weekly_token_budget == 5000
+    page = olivia.get(contract_url(personas.acme.team)).content.decode()
+    assert "Tokens/week" in page and ">5000<" in page and 'value="5000"' in page
+
+
 def test_contract_refusals_name_the_figures_on_the_form(personas, browse):
     olivia = browse(personas.olivia)
     response = olivia.post(contract_url(personas.acme.team), {**FIGURES, "gpus_guarantee": "8", "gpus_limit": "4"})

@@ -123,6 +123,16 @@ def test_raising_a_limit_needs_an_approval_and_stale_evidence_is_refused(persona
         contracts.set_contract(olivia, personas.acme.org, approval=approval.public_id, gpu_memory_gib_limit=320)
 
 
+def test_a_weekly_budget_loosened_needs_an_approval_as_the_daily_and_monthly_do(personas):
+    olivia = personas.olivia_actor
+    contracts.set_contract(olivia, personas.acme.team, weekly_token_budget=5000)  # a first budget lowers
+    contracts.set_contract(olivia, personas.acme.team, weekly_token_budget=4000)  # and lowering again
+    for loosened in ({"weekly_token_budget": 6000}, {"weekly_token_budget": None}, {"budget_mode": "soft"}):
+        with pytest.raises(ApprovalRequired):
+            contracts.set_contract(olivia, personas.acme.team, **loosened)
+    assert Contract.objects.get(scope=personas.acme.team).weekly_token_budget == 4000
+
+
 def test_each_contract_change_is_audited_once(personas):
     before = AuditEvent.objects.count()
     contracts.set_contract(personas.olivia_actor, personas.acme.org, cores_limit=64, rpm_limit=600)
