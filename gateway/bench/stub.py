@@ -1,7 +1,8 @@
 """A fast OpenAI-shaped stub engine for benchmarks: raw asyncio, HTTP/1.1 keep-alive, fixed answers.
 
 ``python -m gateway.bench.stub PORT``. Answers any POST with a chat completion (or, when the body
-asks for ``"stream": true``, five server-sent chunks, a usage chunk and ``[DONE]``).
+asks for ``"stream": true``, five server-sent chunks, a usage chunk and ``[DONE]``; with ``"user": "slow"``
+too, twenty chunks over two seconds, as a model generating would).
 """
 
 import asyncio
@@ -20,8 +21,11 @@ def _chunked(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
-STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-          + b"".join(_chunked(CHUNK) for _ in range(5)) + _chunked(USAGE) + _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+STREAM_END = _chunked(USAGE) + _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+STREAM = STREAM_HEAD + b"".join(_chunked(CHUNK) for _ in range(5)) + STREAM_END
+# A request whose `user` is "slow" streams like a model generating: a chunk every SLOW_EVERY_S.
+SLOW, SLOW_CHUNKS, SLOW_EVERY_S = b'"user":"slow"', 20, 0.1
 
 
 class Stub(asyncio.Protocol):
@@ -44,13 +48,25 @@ class Stub(asyncio.Protocol):
                 return
             body = self.buffer[end + 4:end + 4 + length]
             self.buffer = self.buffer[end + 4 + length:]
-            stream = b'"stream":true' in body.replace(b" ", b"")
-            self.transport.write(STREAM if stream else WHOLE)
+            compact = body.replace(b" ", b"")
+            stream = b'"stream":true' in compact
+            if stream and SLOW in compact:
+                self.transport.write(STREAM_HEAD + _chunked(CHUNK))
+                loop = asyncio.get_running_loop()
+                for index in range(1, SLOW_CHUNKS):
+                    loop.call_later(index * SLOW_EVERY_S, self.write, _chunked(CHUNK))
+                loop.call_later(SLOW_CHUNKS * SLOW_EVERY_S, self.write, STREAM_END)
+            else:
+                self.transport.write(STREAM if stream else WHOLE)
+
+    def write(self, data: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(data)
 
 
 async def main(port: int) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(Stub, "127.0.0.1", port, backlog=1024)
+    server = await loop.create_server(Stub, "127.0.0.1", port, backlog=4096)  # a thousand streams at once
     async with server:
         await server.serve_forever()
 
