@@ -532,6 +532,7 @@ class Limiter:
 
     def _setup(self) -> None:
         self._pending: list[tuple] = []
+        self._asking: list[tuple] = []  # (ADMIT's arguments, the future its answer goes to) of this turn
         self._flushing: asyncio.Task | None = None
         self._repairs: list[tuple] = []
         self._repairing: asyncio.Task | None = None
@@ -570,10 +571,10 @@ class Limiter:
         if self.clock is not None:
             args += (_microseconds(now),)
         try:
-            result = await self._admit(keys=(), args=args)
+            result = await self._admit_together(args)
             if result[0] == 2:  # budget counters lost: rebuilt, then asked again
                 await self._seed(plan, result[5:], periods)
-                result = await self._admit(keys=(), args=args)
+                result = await self._admit_together(args)
                 if result[0] == 2:
                     raise LimiterUnavailable("Token budgets cannot be checked right now; retry shortly.",
                                              retry_after=1)
@@ -586,6 +587,61 @@ class Limiter:
         if plan.leased or reserve:
             self._held.setdefault(request_id, []).append(lid)
         return admission
+
+    async def _admit_together(self, args: tuple) -> list:
+        """ADMIT for one request, sent with those of every request that asks in the same turn of the
+        event loop as one pipeline: a burst of requests costs one write and one read (and one pooled
+        connection), not a command each queued on connections of their own."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self._asking.append((args, answer))
+        if len(self._asking) == 1:
+            loop.create_task(self._send_asked())
+        return await answer
+
+    async def _send_asked(self) -> None:
+        batch, self._asking = self._asking, []
+        try:
+            results = await self._pipelined(self._admit, [args for args, _ in batch], raise_on_error=False)
+        except BaseException as exc:  # noqa: BLE001 - each request asking hears it (LimiterUnavailable there)
+            for _, answer in batch:
+                if not answer.done():
+                    answer.cancel() if isinstance(exc, asyncio.CancelledError) else answer.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for (_, answer), result in zip(batch, results):
+            if not answer.done():  # (a request that gave up meanwhile voids its own lease: ``admit``)
+                answer.set_exception(result) if isinstance(result, Exception) else answer.set_result(result)
+
+    async def _pipelined(self, script, batch: list[tuple], raise_on_error: bool = True) -> list:
+        """Run ``script`` once for each argument tuple of ``batch`` in one pipeline, by its SHA (a
+        pipeline of registered scripts would ask ``SCRIPT EXISTS`` first: a round trip more); where
+        Redis has lost the script (restarted empty), it is loaded and those calls sent again. With
+        ``raise_on_error`` the first error of a call raises; else the errors are in the results."""
+        from redis.exceptions import NoScriptError  # (Redis only: see ``limiter_client``)
+
+        results: list = [None] * len(batch)
+        todo = list(range(len(batch)))
+        for attempt in (0, 1):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for index in todo:
+                    pipe.evalsha(script.sha, 0, *batch[index])
+                answers = await pipe.execute(raise_on_error=False)
+            lost = []
+            for index, answer in zip(todo, answers):
+                results[index] = answer
+                if isinstance(answer, NoScriptError):
+                    lost.append(index)
+            if not lost or attempt:
+                break
+            await self.redis.script_load(script.script)
+            todo = lost
+        if raise_on_error:
+            for answer in results:
+                if isinstance(answer, Exception):
+                    raise answer
+        return results
 
     async def _seed(self, plan: Plan, missing: list, periods: tuple[str, str, str]) -> None:
         """Rebuild the missing budget counters from the usage records, one database read per counter
@@ -686,10 +742,7 @@ class Limiter:
         while self._pending:
             batch, self._pending = self._pending, []
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for args in batch:
-                        await self._settle(keys=(), args=args, client=pipe)
-                    await pipe.execute()
+                await self._pipelined(self._settle, batch)
             except Exception:  # noqa: BLE001 - a lost settlement must not break serving: repaired later
                 log.exception("could not settle %d gateway requests in Redis; repairing when it answers", len(batch))
                 # Whether they ran is unknown: release their leases and let the budgets they charge be
@@ -712,10 +765,7 @@ class Limiter:
             await asyncio.sleep(delay)
             batch, self._repairs = self._repairs, []
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for args in batch:
-                        await self._repair(keys=(), args=args, client=pipe)
-                    await pipe.execute()
+                await self._pipelined(self._repair, batch)
             except Exception as exc:  # noqa: BLE001 - still unreachable: keep them, try again later
                 self._repairs[:0] = batch
                 del self._repairs[:-REPAIRS_KEPT]

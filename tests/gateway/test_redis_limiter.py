@@ -275,3 +275,23 @@ def test_a_repeated_request_id_takes_a_lease_of_its_own(ident):
             await limiter.admit(p, "same")
 
     run(steps, clock)
+
+
+def test_admissions_asked_in_one_turn_go_in_one_pipeline_and_each_hears_its_own_answer(ident):
+    clock = Clock(BOUNDARY + 5)
+
+    async def steps(limiter):
+        pipelines = []
+        opened = limiter.redis.pipeline
+        limiter.redis.pipeline = lambda *a, **kw: pipelines.append(1) or opened(*a, **kw)
+        p = plan(ident, rpm=30)
+        outcomes = await asyncio.gather(*(admitted(limiter, p, f"r{i}") for i in range(50)))
+        first_burst = len(pipelines)
+        await limiter.redis.script_flush()  # Redis restarted empty: the script is loaded again
+        again = await asyncio.gather(*(admitted(limiter, p, f"s{i}") for i in range(5)))
+        return outcomes, first_burst, again
+
+    outcomes, first_burst, again = run(steps, clock)
+    assert outcomes.count(True) == 30 and outcomes[:30] == [True] * 30  # in the order asked, exactly the limit
+    assert first_burst == 1  # fifty admissions, one round trip
+    assert again == [False] * 5  # answered (refused: the minute is full), not an error

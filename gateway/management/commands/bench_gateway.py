@@ -266,6 +266,16 @@ class Command(BaseCommand):
 
     def _scale(self, options, targets, berth_pid: int, key: str, berth_url: str) -> None:
         """The issue's rows beyond latency: a thousand streams at once, large prompts, memory over time."""
+        if options["streams"] or options["large_kb"]:
+            self._streams_and_prompts(options, targets)
+        if options["rss_requests"]:
+            self.stdout.write(f"berth: {options['rss_requests']} requests while its RSS is watched …")
+            rss = asyncio.run(_rss_over(berth_url, key, berth_pid, options["rss_requests"]))
+            self.stdout.write(f"RSS of the gateway process: {rss['warm']:.1f} MiB after {rss['requests'] // 10} "
+                              f"requests, {rss['end']:.1f} MiB after {rss['requests']} ({rss['growth']:+.1f} %; "
+                              f"target within ±5 %), {rss['failed']} failed, {rss['requests'] / rss['seconds']:.0f}/s")
+
+    def _streams_and_prompts(self, options, targets) -> None:
         import orjson
 
         rows = [f"{'target':<8} {'streams':>7} {'ttfc p50':>9} {'ttfc p99':>9} {'+p50 ms':>8} {'failed':>6} "
@@ -294,12 +304,6 @@ class Command(BaseCommand):
         if "berth" in large:
             self.stdout.write(f"{options['large_kb']} KB prompts through Berth: {large['berth']['rps']:.0f} requests/s "
                               f"(target ≥ 500)")
-        if options["rss_requests"]:
-            self.stdout.write(f"berth: {options['rss_requests']} requests while its RSS is watched …")
-            rss = asyncio.run(_rss_over(berth_url, key, berth_pid, options["rss_requests"]))
-            self.stdout.write(f"RSS of the gateway process: {rss['warm']:.1f} MiB after {rss['requests'] // 10} "
-                              f"requests, {rss['end']:.1f} MiB after {rss['requests']} ({rss['growth']:+.1f} %; "
-                              f"target within ±5 %), {rss['failed']} failed, {rss['requests'] / rss['seconds']:.0f}/s")
 
     def _table(self, results: dict[str, list[dict]]) -> None:
         direct = results["direct"]
