@@ -217,15 +217,17 @@ def test_a_batch_burst_delays_an_interactive_request_by_one_in_flight_request_at
         settings.BATCH_CONCURRENCY = 6
         item = {"method": "POST", "url": "/v1/completions",
                 "body": {"model": "one-slot-batch", "prompt": "a", "max_tokens": 24, "ignore_eos": True}}
+        critical = make_key(priority="critical")
+        warm = httpx.get(f"{through.base_url}/v1/models", headers={"Authorization": f"Bearer {critical.key}"},
+                         timeout=30)  # its key known to the gateway: what is measured is the wait for the slot
+        assert warm.status_code == 200, warm.text
         batch = make_batch(make_key(), [{**item, "custom_id": f"b{i}"} for i in range(16)], "/v1/completions")
         running = threading.Thread(target=lambda: (runner.run(batch.public_id), connection.close()))
         running.start()
         try:
             wait_until(lambda: _waiting(through, "one-slot-batch") >= 4, 60, what="batch lines waiting for the slot")
-            critical = make_key(priority="critical")
-            sent_at = timezone.now()
             answer = httpx.post(f"{through.base_url}/v1/completions", timeout=120,
-                                headers={"Authorization": f"Bearer {critical.key}"},
+                                headers={"Authorization": f"Bearer {critical.key}", "X-Request-Id": "critical-one"},
                                 json={"model": "one-slot-batch", "prompt": "a", "max_tokens": 4, "ignore_eos": True})
             answered_at = timezone.now()
             assert answer.status_code == 200, answer.text
@@ -234,8 +236,12 @@ def test_a_batch_burst_delays_an_interactive_request_by_one_in_flight_request_at
         assert not running.is_alive()
         batch.refresh_from_db()
         assert batch.status == "completed" and batch.completed == 16
-        # While it waited, at most the batch line already given the slot could run ahead of it.
-        ahead = BatchLine.objects.filter(batch=batch, claimed_at__gt=sent_at, claimed_at__lt=answered_at).count()
+        # While it waited, at most the batch line already given the slot could run ahead of it: counted
+        # from when the gateway had the request (its usage record), not from when this test sent it.
+        wait_until(lambda: UsageRecord.objects.filter(request_id="critical-one").exists(), 30,
+                   what="the critical request's usage record")
+        arrived = UsageRecord.objects.get(request_id="critical-one").started_at
+        ahead = BatchLine.objects.filter(batch=batch, claimed_at__gt=arrived, claimed_at__lt=answered_at).count()
         assert ahead <= 1, ahead
         waited = BatchLine.objects.filter(batch=batch, claimed_at__gt=answered_at).count()
         assert waited >= 3  # lines were still waiting when it was served: it went ahead of them
