@@ -10,12 +10,13 @@ from datetime import timedelta
 
 import pytest
 from django.test import Client
+from rest_framework.test import APIClient
 from django.utils import timezone
 
 from gateway.batch.files import new_id
 from gateway.models import Batch
 from tenancy.models import AuditEvent
-from tenancy.services import clients
+from tenancy.services import clients, tree
 
 pytestmark = pytest.mark.django_db
 
@@ -53,8 +54,6 @@ def make_batch(personas):
 
 
 def api_as(user=None, key=None):
-    from rest_framework.test import APIClient
-
     client = APIClient()
     client.default_format = "json"
     if user is not None:
@@ -162,8 +161,6 @@ def test_a_viewer_lists_and_reads_but_may_not_cancel(personas, make_batch, no_ru
 
 
 def test_a_management_key_sees_and_cancels_its_own_projects_batches_only(personas, make_batch, no_runs):
-    from tenancy.services import tree
-
     mine = make_batch()
     sibling = tree.create_scope(personas.olivia_actor, "project", "other", "Other", personas.acme.team)
     theirs = make_batch(project=sibling)
