@@ -11,7 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable
 
+from django.utils import timezone
+
 Accessor = str | Callable[[Any], Any]
+
+
+def when(value) -> str | None:
+    """A moment as a cell shows it (local time, to the minute); None stays absent."""
+    return None if value is None else timezone.localtime(value).strftime("%Y-%m-%d %H:%M")
 
 
 def read(accessor: Accessor, row: Any) -> Any:

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from django.urls import reverse
-from django.utils import timezone
 
-from berth.tables import Column, Table
+from berth.tables import Column, Table, when
 from gateway.batch.service import eta_seconds
-
-
-def _when(value):
-    return None if value is None else timezone.localtime(value).strftime("%Y-%m-%d %H:%M")
 
 
 def duration(seconds: int | None) -> str | None:
@@ -47,8 +42,8 @@ class BatchTable(Table):
         Column("Progress", progress, numeric=True,
                sort=lambda b: (b.completed + b.failed) / b.total if b.total else 0),
         Column("ETA", lambda b: duration(eta_seconds(b)), numeric=True, sort=lambda b: eta_seconds(b)),
-        Column("Created", lambda b: _when(b.created_at), sort="created_at"),
-        Column("Expires", lambda b: _when(b.expires_at), sort="expires_at"),
+        Column("Created", lambda b: when(b.created_at), sort="created_at"),
+        Column("Expires", lambda b: when(b.expires_at), sort="expires_at"),
     )
     empty_message = ("No batches yet: a service client's key creates them with POST /v1/batches "
                      "(OpenAI's Batch API).")

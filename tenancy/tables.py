@@ -16,7 +16,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.timesince import timesince
 
-from berth.tables import Column, Table
+from berth.tables import Column, Table, when
 from tenancy import access
 from tenancy.models import Role
 from tenancy.models.contracts import CAPACITY_FIGURES
@@ -70,10 +70,6 @@ class Record:
 
 def _ago(value):
     return None if value is None else f"{timesince(value)} ago"
-
-
-def _when(value):
-    return None if value is None else timezone.localtime(value).strftime("%Y-%m-%d %H:%M")
 
 
 def _number(value):
@@ -167,7 +163,7 @@ class MembershipTable(RecordTable):
         Column("Person", "user.username"),
         Column("Scope", lambda m: m.scope.written, link=lambda m: scope_link(m.scope)),
         Column("Role", lambda m: m.get_role_display()),
-        Column("Since", lambda m: _when(m.created_at)),
+        Column("Since", lambda m: when(m.created_at)),
     )
     extra_headers = ("",)
     extra_template = "tenancy/cells/membership_actions.html"
@@ -206,7 +202,7 @@ def key_state(credential) -> str:
     if credential.expires_at is not None and credential.expires_at <= now:
         return "expired"
     if getattr(credential, "replaced_by", None) is not None:
-        return f"rotated, works until {_when(credential.expires_at)}" if credential.expires_at else "rotated"
+        return f"rotated, works until {when(credential.expires_at)}" if credential.expires_at else "rotated"
     return "working"
 
 
@@ -215,9 +211,9 @@ class CredentialTable(RecordTable):
         Column("Key", "prefix"),
         Column("Name", "name"),
         Column("State", key_state),
-        Column("Created", lambda c: _when(c.created_at), sort="created_at"),
+        Column("Created", lambda c: when(c.created_at), sort="created_at"),
         Column("Created by", "created_by.username"),
-        Column("Expires", lambda c: _when(c.expires_at), sort="expires_at"),
+        Column("Expires", lambda c: when(c.expires_at), sort="expires_at"),
         Column("Last used", lambda c: _ago(c.last_used_at), sort="last_used_at"),
         Column("Replaces", "replaces.prefix"),
     )
