@@ -242,8 +242,6 @@ def request_load(model_name: str, batch: bool = False) -> LoadTicket:
                 message = f"no deployment can serve it (last failure: {failed[0].state_detail[:200]})"
                 details["reason"] = message
             details = {**details, "model": model_name, "reason": details.get("reason") or message}
-            if isinstance(refusal, NoIdleRoom):
-                raise NoIdleRoom(f"{model_name} is not loaded and waits for free room: {message}",
-                                 details=details) from None
-            raise NotLoadable(f"{model_name} is not loaded and will not be: {message}", details=details) from None
+            outlook = "waits for free room" if isinstance(refusal, NoIdleRoom) else "will not be"
+            raise type(refusal)(f"{model_name} is not loaded and {outlook}: {message}", details=details) from None
     return LoadTicket(model=model_name, expected_seconds=_expected_load_seconds(loadable))
