@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
+import orjson
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
@@ -29,13 +31,12 @@ from gateway.bench.fixture import berth_fixture, cleanup, free_port, stop, wait_
 BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 
 
-async def _measure(base: str, key: str | None, sequential: int, streamed: int, seconds: float) -> dict:
-    import aiohttp
-    import orjson
+def _headers(key: str | None) -> dict:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
+
+async def _measure(base: str, key: str | None, sequential: int, streamed: int, seconds: float) -> dict:
+    headers = _headers(key)
     body = orjson.dumps(BODY)
     stream_body = orjson.dumps({**BODY, "stream": True})
     url = f"{base}/v1/chat/completions"
@@ -62,34 +63,17 @@ async def _measure(base: str, key: str | None, sequential: int, streamed: int, s
                 await response.content.readany()
                 firsts.append((time.perf_counter() - began) * 1000)
                 await response.read()
-        done = 0
-        failed = 0
-        deadline = time.perf_counter() + seconds
-
-        async def worker():
-            nonlocal done, failed
-            while time.perf_counter() < deadline:
-                if await one() == 200:
-                    done += 1
-                else:
-                    failed += 1
-
-        began = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(32)))
-        elapsed = time.perf_counter() - began
+    many = await _throughput(base, key, body, seconds)
     latencies.sort()
     return {"p50": statistics.median(latencies), "p99": latencies[int(len(latencies) * 0.99) - 1],
-            "ttfc": statistics.median(firsts), "rps": done / elapsed, "failed": failed}
+            "ttfc": statistics.median(firsts), **many}
 
 
 async def _streams(base: str, key: str | None, count: int) -> dict:
     """``count`` streams open together: each generates for two seconds (the stub's slow stream) and
     they start over one second, so all of them are open at the end of it; each one's time to first
     chunk (median and p99)."""
-    import aiohttp
-    import orjson
-
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    headers = _headers(key)
     body = orjson.dumps({**BODY, "stream": True, "user": "slow"})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -117,9 +101,7 @@ async def _streams(base: str, key: str | None, count: int) -> dict:
 
 async def _throughput(base: str, key: str | None, body: bytes, seconds: float, clients: int = 32) -> dict:
     """Requests/s of ``clients`` sending ``body`` back to back for ``seconds``."""
-    import aiohttp
-
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    headers = _headers(key)
     done = failed = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
         async def worker(deadline: float):
@@ -150,10 +132,7 @@ def _rss_mib(pid: int) -> float:
 
 async def _rss_over(base: str, key: str, pid: int, requests: int, clients: int = 64) -> dict:
     """The gateway process's RSS after a tenth of ``requests`` (warm) and after all of them."""
-    import aiohttp
-    import orjson
-
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    headers = _headers(key)
     body = orjson.dumps(BODY)
     sent = failed = 0
     marks = {}
@@ -276,8 +255,6 @@ class Command(BaseCommand):
                               f"target within ±5 %), {rss['failed']} failed, {rss['requests'] / rss['seconds']:.0f}/s")
 
     def _streams_and_prompts(self, options, targets) -> None:
-        import orjson
-
         rows = [f"{'target':<8} {'streams':>7} {'ttfc p50':>9} {'ttfc p99':>9} {'+p50 ms':>8} {'failed':>6} "
                 f"{'rps ' + str(options['large_kb']) + ' KB':>11} {'×direct':>8}"]
         streams, large = {}, {}
