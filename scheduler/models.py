@@ -242,6 +242,7 @@ class PlacementDecision(models.Model):
         PARKED = "parked", "Parked"
         HELD = "held", "Held back"
         BACKOFF = "backoff", "Backing off"
+        MOVING = "moving", "Moving"  # leaving a draining node, or a rolling restart's next
         DRY_RUN = "dry-run", "Dry run"
 
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)

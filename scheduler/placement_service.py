@@ -4,18 +4,42 @@ these; the policy itself (``scheduler.policy``) stays pure."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from django.conf import settings
+from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Count, F, OuterRef, QuerySet, Subquery
 
 from scheduler import reach, recovery_service
 from scheduler.models import DecisionTally, PlacementDecision, RecoveryState
 from scheduler.policy import plan as policy
-from scheduler.policy.inputs import Plan, Snapshot
+from scheduler.policy.inputs import Move, Plan, Snapshot
 from scheduler.policy.placement import Fleet
 from tenancy.models import Scope
 
+log = logging.getLogger(__name__)
 HISTORY_DEFAULT = 10_000
+MOVES_KEY = "berth:placement:moves"
+
+
+def note_moves(plan: Plan) -> None:
+    """Keep the last pass's moves (replicas leaving a draining node or restarting, and where each
+    stands) for the node and model pages: every pass writes them, so they are never older than one."""
+    cache.set(MOVES_KEY, [dataclasses.asdict(move) for move in plan.moves], None)
+
+
+def moves(*, node: str | None = None, models=None) -> list[Move] | None:
+    """The last pass's moves off ``node``, or of ``models`` (names); None when the cache does not
+    answer (the pages say so rather than show nothing moving)."""
+    try:
+        stored = cache.get(MOVES_KEY) or []
+    except Exception as error:  # noqa: BLE001 - a page reading it must still render
+        log.warning("could not read the placement moves: %s", error)
+        return None
+    found = [Move(**move) for move in stored]
+    return [m for m in found if (node is None or m.node == node) and (models is None or m.model in models)]
 
 
 def _history_limit() -> int:

@@ -96,6 +96,8 @@ class NodeDetailView(FleetMixin, ConsolePage):
         context["gpu_samples"] = (AcceleratorSample.objects.filter(accelerator__node=node)
                                   .select_related("accelerator")[:40])
         context["can_act"] = reach.sees_everything(self.request.user)
+        if sees_files:  # the moves name every tenant's models: staff only, as the files
+            context["moves"] = placement_service.moves(node=node.name)
         context["labels_text"] = "\n".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items()))
         context["actions"] = [verb for verb, (allowed, _) in services._TRANSITIONS.items() if node.state in allowed]
         context["breadcrumbs"] = [(node.name, self.request.path)]  # after Fleet › Nodes (the navigation's)

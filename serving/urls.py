@@ -14,6 +14,7 @@ urlpatterns = [
     # The mirror: Held, Explore and Fetch, and a held model's card.
     path("held/", catalog_views.HeldView.as_view(), name="catalog-held"),
     path("held/<uuid:public_id>/", catalog_views.ModelCardView.as_view(), name="catalog-card"),
+    path("held/<uuid:public_id>/restart/", catalog_views.ModelRestartView.as_view(), name="catalog-restart"),
     path("explore/", catalog_views.ExploreView.as_view(), name="catalog-explore"),
     path("fetch/", catalog_views.FetchView.as_view(), name="catalog-fetch"),
     path("serve/", catalog_views.ServeView.as_view(), name="catalog-serve"),

@@ -78,6 +78,8 @@ ROUTES = {
     "models/deployments/<uuid:public_id>/<str:verb>/": Form("use", "deployment"),  # remove
     "models/held/": Page(),
     "models/held/<uuid:public_id>/": Page("model"),
+    # The world's model runs no replica: the one allowed is told there is nothing to restart.
+    "models/held/<uuid:public_id>/restart/": Form("use", "model", owner_acts=False),
     # The hub is away here (a closed loopback port): the pages say so with a 503.
     "models/explore/": Page(query=lambda w: {"q": "walk"}, answers=frozenset({200, 503})),
     "models/fetch/": Form("use", data=lambda w: {"repo": "walk/repo", "owner": scope_written(w)}, owner_acts=False,

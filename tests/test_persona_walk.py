@@ -123,6 +123,8 @@ CASES = {
     "scheduler_nodes_uncordon_create": Case("staff", "node", body=lambda w: {"reason": "walk"}),
     "scheduler_nodes_drain_create": Case("staff", "node", body=lambda w: {"reason": "walk"}),
     "scheduler_nodes_labels_update": Case("staff", "node", body=lambda w: {"labels": {"zone": "walk"}}),
+    # What moves off a node names every tenant's models: operators only.
+    "scheduler_nodes_moves_retrieve": Case("staff", "node"),
     "scheduler_accelerators_list": Case("fleet"),
     "scheduler_accelerators_retrieve": Case("fleet", "accelerator"),
     # A calibration record names a tenant's model and file and why its load failed: staff only.
@@ -157,6 +159,9 @@ CASES = {
     "serving_catalog_models_partial_update": Case("use", "model", body=lambda w: {"scaling_max": 2}),
     "serving_catalog_models_remove_files_create": Case("use", "model"),
     "serving_catalog_models_room_retrieve": Case("read", "model"),
+    # A rolling restart is a member's verb, as a change of placement is; following it, a reader's.
+    "serving_catalog_models_restart_create": Case("use", "model"),
+    "serving_catalog_models_restart_retrieve": Case("read", "model"),
     # A model that cannot be served is said so with a 409 (its file is not verified here).
     "serving_catalog_models_servability_retrieve": Case("read", "model", expect={"vera": OK | {409},
                                                                                  "max": OK | {409}}),

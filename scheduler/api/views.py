@@ -1,3 +1,5 @@
+import dataclasses
+
 from django.db.models import Prefetch
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiResponse, extend_schema
@@ -81,6 +83,18 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FleetViewSet
     @action(detail=True, methods=["post"], permission_classes=[IsStaff])
     def drain(self, request, public_id=None):
         return self._act(request, "drain")
+
+    @extend_schema(request=None, responses={200: dict})
+    @action(detail=True, methods=["get"], permission_classes=[IsStaff])
+    def moves(self, request, public_id=None):
+        """What the last placement pass is moving off the node (draining, or a rolling restart's next):
+        each replica's model, ``state`` (waiting for its replacement, blocked, stopping) and ``detail``
+        — for a blocked one, why it cannot be moved. Staff only: it names every tenant's models.
+        ``moves`` null: the cache does not answer, so it is not known."""
+        node = self.get_object()
+        found = placement_service.moves(node=node.name)
+        return Response({"node": node.name, "state": node.state,
+                         "moves": None if found is None else [dataclasses.asdict(m) for m in found]})
 
     @extend_schema(request=NodeLabelsSerializer, responses={200: NodeSerializer})
     @action(detail=True, methods=["put"], permission_classes=[IsStaff])

@@ -146,6 +146,9 @@ class DesiredModel:
     # How the recovery ladder's last rung runs it (level 2: the smallest context, one slot, on the CPU
     # where its engine can); empty: as its own profiles.
     minimal: tuple[Profile, ...] = ()
+    # A rolling restart asked at this moment: its replicas created before it are replaced one at a
+    # time (the new one ready before the old stops). None: none asked.
+    restart_before: float | None = None
 
     @property
     def effective_class(self) -> str:
@@ -270,7 +273,7 @@ class Launch:
 class Eviction:
     replica: str
     model: str
-    reason: str  # idle / surplus / preempted / not-desired
+    reason: str  # idle / surplus / preempted / not-desired / drained / restarted
     grace_s: float = 0
     beneficiary: str = ""
     tier: int | None = None
@@ -298,6 +301,20 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True)
+class Move:
+    """A replica that is leaving — its node drains, or its model restarts — and where that stands:
+    ``waiting`` for its replacement to be ready, ``blocked`` (it cannot be moved: ``detail`` says
+    why), or ``stopping`` (its replacement is ready: the plan stops it)."""
+
+    replica: str
+    model: str
+    node: str
+    why: str  # drain / restart
+    state: str  # waiting / blocked / stopping
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     launches: tuple[Launch, ...] = ()
     evictions: tuple[Eviction, ...] = ()
@@ -305,6 +322,7 @@ class Plan:
     holds: tuple[Hold, ...] = ()
     decisions: tuple[Decision, ...] = ()
     inputs_digest: str = ""
+    moves: tuple[Move, ...] = ()
 
     @property
     def empty(self) -> bool:

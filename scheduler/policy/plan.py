@@ -3,9 +3,12 @@
 Deterministic and idempotent: a converged state yields an empty plan, and applying a plan
 (launches become starting replicas, evictions disappear, holds are carried) then scheduling again
 yields nothing new. Steps: recovery and parking; desired counts; evictions of what is not desired
-or surplus (never pinned or active replicas); placement of what is missing in tiers — pinned, below
-minimum, the rest — with a cost-aware packer; preemption for pinned and below-minimum demands that
-did not fit; a last fill; unschedulable models with their first reason; evidence per model.
+or surplus (never pinned or active replicas); replicas leaving — on a draining node, or the next of
+a rolling restart — stop once as many replicas elsewhere are ready as the model wants, and until then
+are replaced like missing ones; placement of what is missing in tiers — pinned, below minimum, the
+rest — with a cost-aware packer; preemption for pinned and below-minimum demands that did not fit (a
+replacement preempts nothing unless pinned); a last fill; unschedulable models with their first
+reason; evidence per model.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Iterable
 
 from scheduler.policy import preemption, recovery
 from scheduler.policy.inputs import (
-    Decision, DesiredModel, Eviction, Hold, Launch, Plan, ReplicaInfo, Snapshot, Unschedulable,
+    Decision, DesiredModel, Eviction, Hold, Launch, Move, Plan, ReplicaInfo, Snapshot, Unschedulable,
 )
 from scheduler.policy.placement import Fleet, Placer, constraint_refusal, draft_bytes, ordered_profiles
 from scheduler.policy.quotas import Quotas, need_of
@@ -58,35 +61,51 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         if hold.until > now and not satisfied:
             holds[hold.model] = hold
 
-    # 1. Evictions: replicas of models no longer desired, and surplus above the desired count.
-    for model_id in sorted(by_model):
-        mine = by_model[model_id]
-        model = models.get(model_id)
-        if model is None:
-            victims = [r for r in mine if not protected(r)]
-            reason = "not-desired"
-        else:
-            idle = model.scaling.on_demand and bases[model_id] == 0
-            victims = surplus(mine, desired[model_id], now, protected=protected,
-                              idle_only_after=model.scaling.idle_timeout_s if idle else None)
-            reason = "idle" if idle else "surplus"
+    def evict(model_id: str, victims: list[ReplicaInfo], reason: str, detail: str) -> None:
         for victim in victims:
             fleet.remove(victim.id)
             quotas.remove(victim)
             evictions.append(Eviction(replica=victim.id, model=model_id, reason=reason))
         if victims:
             decisions.append(Decision(model=model_id, verdict="evicted", codes=(reason,),
-                                      victims=tuple(v.id for v in victims),
-                                      detail=f"{len(victims)} replica(s) stopped: {reason}"))
+                                      victims=tuple(v.id for v in victims), detail=detail))
+
+    # 1. Evictions: replicas of models no longer desired, surplus above the desired count, and leaving
+    # replicas whose replacements are ready.
+    leaving = leaving_replicas(snapshot, models, by_model)
+    staying: dict[str, list[ReplicaInfo]] = {}
+    held: list[ReplicaInfo] = []  # leaving replicas kept until their replacements are ready
+    moves: list[Move] = []
+    for model_id in sorted(by_model):
+        mine = by_model[model_id]
+        model = models.get(model_id)
+        if model is None:
+            victims = [r for r in mine if not protected(r)]
+            evict(model_id, victims, "not-desired", f"{len(victims)} replica(s) stopped: not-desired")
+            moves.extend(Move(r.id, model_id, r.node, leaving[r.id], "blocked", NOT_PLACED_HERE)
+                         for r in mine if r.id in leaving and r not in victims)
+            continue
+        idle = model.scaling.on_demand and bases[model_id] == 0
+        reason = "idle" if idle else "surplus"
+        kept = [r for r in mine if r.id not in leaving]
+        victims = surplus(kept, desired[model_id], now, protected=protected,
+                          idle_only_after=model.scaling.idle_timeout_s if idle else None)
+        evict(model_id, victims, reason, f"{len(victims)} replica(s) stopped: {reason}")
+        staying[model_id] = [r for r in kept if r not in victims]
+        # Replaced like missing ones; whether they stop is decided last (after preemption, which
+        # may take a replica that would have stood in for one).
+        held.extend(r for r in mine if r.id in leaving)
 
     # 2. Demands: what is missing, unless parked, held back or backing off.
     demands: list[Demand] = []
     for model in models.values():
         if only is not None and model.id not in only:
             continue
-        missing = desired[model.id] - len(by_model.get(model.id, []))
+        have = len(staying.get(model.id, ()))
+        missing = desired[model.id] - have
         if missing <= 0:
             continue
+        replacing = have + sum(1 for r in held if r.model == model.id)  # slots below this stand in for leaving ones
         step = recovery.next_step(model, snapshot.failures.get(model.id), settings, known=models)
         if step.parked:
             unschedulable.append(Unschedulable(model.id, step.reason, "parked", missing))
@@ -112,11 +131,12 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         if step.level >= recovery.MINIMAL_FOOTPRINT and source.minimal:
             source = dataclasses.replace(source, profiles=source.minimal)  # the last rung's footprint
         profiles = tuple(ordered_profiles(source))
-        have = len(by_model.get(model.id, []))
         for slot in range(missing):
             index = have + slot
             if model.pinned:
                 tier, why = 0, "pinned"
+            elif index < replacing:
+                tier, why = 2, "replacement"  # moving preempts nothing: the old replica still serves
             elif index < bases[model.id]:
                 tier, why = 1, ("on-demand" if model.scaling.on_demand else "minimum")
             else:
@@ -201,6 +221,23 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         if not changed:
             break
 
+    # 6. Leaving replicas stop once enough others are ready to stand in for them; the ready ones are
+    # kept longest (they serve meanwhile). A leaving replica preemption took is gone already.
+    going_of: dict[str, list[ReplicaInfo]] = {}
+    for replica in held:
+        if replica.id in fleet.replicas:
+            going_of.setdefault(replica.model, []).append(replica)
+    held = []
+    for model_id in sorted(going_of):
+        going = sorted(going_of[model_id], key=lambda r: (r.ready_since is None, r.created_at, r.id))
+        standing_in = sum(1 for r in staying[model_id] if r.id in fleet.replicas and r.ready_since is not None)
+        keep = max(0, desired[model_id] - standing_in)
+        for why in ("drain", "restart"):
+            done = [r for r in going[keep:] if leaving[r.id] == why]
+            evict(model_id, done, MOVED[why], f"{len(done)} replica(s) stopped: {MOVE_DONE[why]}")
+            moves.extend(Move(r.id, model_id, r.node, why, "stopping", MOVE_DONE[why]) for r in done)
+        held.extend(going[:keep])
+
     launches = []
     for p in sorted(placed, key=lambda p: p.demand.key):
         d = p.demand
@@ -224,11 +261,47 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         unschedulable.append(Unschedulable(model_id, reason, code, len(group)))
         decisions.append(Decision(model_id, "unschedulable", (code,), detail=reason))
 
+    blocked = {u.model: u.reason for u in unschedulable}
+    for replica in held:
+        why = leaving[replica.id]
+        if replica.model in blocked:
+            state, detail = "blocked", f"cannot be moved: {blocked[replica.model]}"
+        else:
+            state, detail = "waiting", "waits for its replacement to be ready"
+        moves.append(Move(replica.id, replica.model, replica.node, why, state, detail))
+        decisions.append(Decision(replica.model, "moving", (why, state), node=replica.node,
+                                  accelerators=replica.accelerators, victims=(replica.id,),
+                                  detail=f"{MOVE_NAMES[why]}: {detail}"))
+
     all_holds = tuple(sorted(set(holds.values()) | set(new_holds), key=lambda h: (h.model, h.until, h.beneficiary)))
     return Plan(launches=tuple(launches), evictions=tuple(sorted(evictions, key=lambda e: e.replica)),
                 unschedulable=tuple(sorted(unschedulable, key=lambda u: u.model)), holds=all_holds,
                 decisions=tuple(sorted(decisions, key=lambda d: (d.model, d.verdict, d.node, d.victims))),
-                inputs_digest="")
+                inputs_digest="", moves=tuple(sorted(moves, key=lambda m: (m.node, m.model, m.replica))))
+
+
+# Why a replica leaves, what its eviction is called, and what is said once it stops.
+MOVED = {"drain": "drained", "restart": "restarted"}
+MOVE_NAMES = {"drain": "its node is draining", "restart": "a rolling restart"}
+MOVE_DONE = {"drain": "its node is draining and a replacement is ready elsewhere",
+             "restart": "restarted: a new replica is ready in its place"}
+NOT_PLACED_HERE = "cannot be moved: not a catalog model (deployed by hand), so Berth does not place it; stop it by hand"
+
+
+def leaving_replicas(snapshot: Snapshot, models: dict[str, DesiredModel],
+                     by_model: dict[str, list[ReplicaInfo]]) -> dict[str, str]:
+    """Replica id → why it leaves: ``drain`` (its node is draining) or ``restart`` (the oldest replica
+    of a model whose rolling restart is under way created before it was asked: one at a time)."""
+    draining = {node.name for node in snapshot.nodes if node.state == "draining"}
+    leaving = {}
+    for model_id, mine in by_model.items():
+        leaving.update((r.id, "drain") for r in mine if r.node in draining)
+        model = models.get(model_id)
+        if model is not None and model.restart_before is not None:
+            old = [r for r in mine if r.created_at < model.restart_before and r.id not in leaving]
+            if old:
+                leaving[min(old, key=lambda r: (r.created_at, r.id)).id] = "restart"
+    return leaving
 
 
 SPREAD = "spread"  # the reason code of replicas that would fit only beside another replica of their model

@@ -10,7 +10,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from berth.errors import PermissionDenied
-from serving.catalog import entries, fetch, hub, placing, profiles, queries, room, servability, speed
+from serving.catalog import entries, fetch, hub, placing, profiles, queries, restarts, room, servability, speed
 from serving.control import serve_model as serve
 from serving.models import FetchJob, ModelEntry, ModelFile
 from tenancy import access
@@ -45,7 +45,7 @@ class ModelEntrySerializer(serializers.ModelSerializer):
                   "source_revision", "source_path", "source_package", "format", "quantisation", "architecture",
                   "profiles", "scaling_min", "scaling_max", "idle_timeout_seconds", "service_class", "effective_class",
                   "pinned", "fallbacks", "draft", "max_output_tokens", "fingerprint", "measured_tokens_per_second",
-                  "files", "created_at", "updated_at"]
+                  "restart_requested_at", "files", "created_at", "updated_at"]
 
     def get_measured_tokens_per_second(self, entry) -> dict[str, float]:
         speeds = self.context.get("speeds")
@@ -162,6 +162,19 @@ class CatalogModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Entr
         return Response({"placement": entry.placement, "more": more.more, "nodes": more.nodes,
                          "blocked": more.blocked, "source": more.source, "per_replica_bytes": more.per_replica_bytes,
                          "note": more.note})
+
+    @extend_schema(request=None, responses={200: dict, 202: dict})
+    @action(detail=True, methods=["get", "post"])
+    def restart(self, request, public_id=None):
+        """POST: a rolling restart — each replica replaced by a fresh one, one at a time, the new one
+        ready before the old stops; 202 with where it stands, 409 ``nothing_to_restart`` when none
+        runs, 403 without member on the model's owner. GET: where the last one stands (``restart``
+        null: none under way) — ``state`` waiting or blocked, and ``detail`` why."""
+        entry = self.get_object()
+        if request.method == "POST":
+            entry = restarts.restart(self.actor, entry)
+        return Response({"model": entry.name, "restart": restarts.progress(entry)},
+                        status=status.HTTP_202_ACCEPTED if request.method == "POST" else status.HTTP_200_OK)
 
     @extend_schema(request=None, responses={200: dict})
     @action(detail=True, methods=["post"], url_path="remove-files")

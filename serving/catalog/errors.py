@@ -54,3 +54,9 @@ class ScalingRefused(Conflict):
     """A minimum placement cannot meet; ``details`` has what runs, how many more fit and where."""
 
     code = "scaling_refused"
+
+
+class NothingToRestart(Conflict):
+    """A rolling restart of a model with no replica running or starting."""
+
+    code = "nothing_to_restart"

@@ -78,7 +78,7 @@ def resolve_owner(caller: Any, written: str | None) -> Scope | None:
         raise _with_field(error, "owner")
 
 
-def _require_change(actor: Actor, entry: ModelEntry) -> None:
+def require_change(actor: Actor, entry: ModelEntry) -> None:
     if may_change(actor, entry):
         return
     if entry.owner is None:
@@ -119,7 +119,7 @@ def change(actor: Actor, entry: ModelEntry, values: dict[str, Any], *, owner: An
     if unknown:
         raise InvalidInput(f"Only {', '.join(FIELDS)} and owner change here, not {', '.join(unknown)}.",
                            details={"problems": [{"field": f, "message": "Not changed here."} for f in unknown]})
-    _require_change(actor, entry)
+    require_change(actor, entry)
     moving = owner is not KEEP and owner != entry.owner
     merged = {**entries.as_fields(entry), **values}
     validation.require_valid(merged)

@@ -125,7 +125,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, batch_waiting: Mapping
             fallbacks=tuple(entry.fallbacks or ()), pinned=entry.pinned, last_requested_at=used.get(entry.name),
             waiting=wanted.get(entry.name, 0), waiting_since=live.waiting_since.get(entry.name),
             waiting_batch_only=wanted.get(entry.name, 0) > 0 and urgent.get(entry.name, 0) <= 0,
-            extra=extra.get(entry.name, 0)))
+            extra=extra.get(entry.name, 0), restart_before=_stamp(entry.restart_requested_at)))
     replicas, catalog_holders, counted = [], set(), Counter()
     for replica in rows:
         deployment = replica.deployment
@@ -227,6 +227,7 @@ def _reconcile(waiting: Mapping[str, int] | None, batch_waiting: Mapping[str, in
     _unpark_changed(snap)
     plan = policy.schedule(snap)
     cache.set(HOLDS_KEY, [dataclasses.asdict(h) for h in plan.holds], None)
+    placement_service.note_moves(plan)
     unschedulable = {u.model: u.reason for u in plan.unschedulable}
     _log_unplaceable(plan, now)
     if plan.empty and not plan.unschedulable:

@@ -79,6 +79,10 @@ class ModelEntry(models.Model):
         help_text="The most tokens one request may generate: the gateway refuses more and sends this when the "
                   "request names none. Empty: no cap of its own (the context still bounds it).")
     fingerprint = models.CharField(max_length=16, blank=True, db_index=True)
+    restart_requested_at = models.DateTimeField(
+        null=True, blank=True,
+        help_text="The last rolling restart asked: replicas started before it are replaced one at a time, the "
+                  "new one ready before the old stops (serving.catalog.restarts).")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)

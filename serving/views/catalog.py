@@ -6,11 +6,12 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.shortcuts import redirect
+from django.urls import reverse
 from django.views import View
 
 from berth.errors import BerthError
 from berth.htmx import render_page
-from serving.catalog import entries, fetch, hub, placing, profiles, queries, room, servability
+from serving.catalog import entries, fetch, hub, placing, profiles, queries, restarts, room, servability
 from serving.catalog.errors import HubUnreachable
 from serving.control import serve_model as serve
 from serving.models import FetchJob, ModelEntry, ProfileSpeed
@@ -18,7 +19,7 @@ from serving.models.states import LOADABLE
 from serving.views.catalog_tables import FetchJobTable, FileTable, HeldTable, deployable
 from tenancy import access
 from tenancy.audit import Actor
-from tenancy.console import ConsolePage
+from tenancy.console import ConsolePage, ObjectAction
 from tenancy.models import Scope
 from tenancy.services.tree import resolve_scope
 
@@ -92,7 +93,7 @@ class ModelCardView(EntryMixin, ConsolePage):
                        room=room.room_for_more(entry), where=entry.placement,
                        values=kwargs.get("values") or placement_values(entry), problems=kwargs.get("problems") or {},
                        refusal=kwargs.get("refusal"), other_problems=kwargs.get("other_problems") or [],
-                       may_change=placing.may_change(self.request.user, entry),
+                       may_change=placing.may_change(self.request.user, entry), restart=restarts.progress(entry),
                        owners=owners, may_share=access.is_superuser(self.request.user),
                        classes=ModelEntry.ServiceClass.choices, default_idle=ModelEntry.DEFAULT_IDLE_SECONDS,
                        breadcrumbs=[(entry.name, self.request.path)])  # after Models › Catalog
@@ -130,6 +131,20 @@ class ModelCardView(EntryMixin, ConsolePage):
             return self.render_to_response(context, status=error.status)
         messages.success(request, f"{entry.name}: {describe_placement(entry)}.")
         return redirect("serving:catalog-card", public_id=public_id)
+
+
+class ModelRestartView(EntryMixin, ObjectAction):
+    """POST a rolling restart of the model (``serving.catalog.restarts``); back to its card, which
+    shows where it stands. A refusal (nothing runs, the caller's role) is said there."""
+
+    def perform(self, entry, data):
+        entry = restarts.restart(self.actor, entry)
+        messages.success(self.request, f"{entry.name}: a rolling restart is under way — each replica is replaced "
+                                       "by a fresh one, the new one ready before the old stops.")
+        return entry
+
+    def success_url(self, entry, result):
+        return reverse("serving:catalog-card", kwargs={"public_id": entry.public_id})
 
 
 def _number(text: str) -> int | str:
