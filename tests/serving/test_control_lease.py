@@ -28,6 +28,7 @@ from django.db.models.functions import Now
 from prometheus_client.parser import text_string_to_metric_families
 
 from berth import health, lease
+from berth.celery import app
 from berth.models import Lease
 from gateway import fleet_metrics
 from serving.control import reconcile
@@ -196,6 +197,10 @@ class Served:
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def ready(self) -> bool:
+        """Its control worker consumes the queue (Celery says so once it is connected and synced)."""
+        return "control@" in self.text() and " ready." in self.text()
+
     def loop(self) -> dict | None:
         try:
             return httpx.get(f"http://127.0.0.1:{self.port}/readyz", timeout=5).json()["details"]["control_loop"]
@@ -213,19 +218,32 @@ class Served:
         self._log.close()
 
 
+def _tail(served: Served) -> str:
+    return "\n".join(line for line in served.text().splitlines()[-60:] if "GET /readyz" not in line)
+
+
+@pytest.mark.timeout(600)  # each step waits on starting processes: their bounds add up past the default
 def test_two_served_control_planes_run_the_loop_once_and_hand_over_when_the_holder_stops(tmp_path):
     """Two `serve` groups on one database: two beats, two pooled workers. The lease names the first
     worker by its own pid (the pool's children are the same holder: they never contend with each
     other); the second worker skips the passes it is given and says whose lease it is; once the first
     stops and its lease runs out, the second takes over."""
+    app.control.purge()  # tasks other tests left on the shared broker's queue are not these workers' passes
     first = Served(tmp_path, "first")
     second = None
     try:
         wait_until(lambda: (first.loop() or {}).get("holder") == first.holder, 90,
                    what="the first worker holding the lease")
         second = Served(tmp_path, "second")
-        wait_until(lambda: f"control loop pass skipped: its lease is held by {first.holder}" in second.text(), 120,
-                   what="the second worker skipping a pass")
+        wait_until(second.ready, 90, what="the second worker consuming the queue")
+        # Both beats send a pass every 15 s onto the one queue both workers share: the second is given
+        # one within a few passes (the broker hands each message to one of the waiting workers).
+        try:
+            wait_until(lambda: f"control loop pass skipped: its lease is held by {first.holder}" in second.text(),
+                       180, what="the second worker skipping a pass")
+        except TimeoutError as timeout:
+            raise AssertionError(f"{timeout}\nthe second's log:\n{_tail(second)}\nthe first's:\n{_tail(first)}") \
+                from timeout
         assert (second.loop() or {}).get("holder") == first.holder  # either web process shows the same holder
         assert "skipped" not in first.text()  # the holder's pool children never skip each other's passes
         first.stop()
