@@ -70,11 +70,11 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             decisions.append(Decision(model=model_id, verdict="evicted", codes=(reason,),
                                       victims=tuple(v.id for v in victims), detail=detail))
 
-    # 1. Evictions: replicas of models no longer desired, surplus above the desired count, and leaving
-    # replicas whose replacements are ready.
+    # 1. Evictions: replicas of models no longer desired, and surplus above the desired count among
+    # those not leaving (a draining node's, a rolling restart's next: step 6 decides when they stop).
     leaving = leaving_replicas(snapshot, models, by_model)
     staying: dict[str, list[ReplicaInfo]] = {}
-    held: list[ReplicaInfo] = []  # leaving replicas kept until their replacements are ready
+    going: list[ReplicaInfo] = []  # leaving replicas of catalog models
     moves: list[Move] = []
     for model_id in sorted(by_model):
         mine = by_model[model_id]
@@ -94,7 +94,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         staying[model_id] = [r for r in kept if r not in victims]
         # Replaced like missing ones; whether they stop is decided last (after preemption, which
         # may take a replica that would have stood in for one).
-        held.extend(r for r in mine if r.id in leaving)
+        going.extend(r for r in mine if r.id in leaving)
 
     # 2. Demands: what is missing, unless parked, held back or backing off.
     demands: list[Demand] = []
@@ -105,7 +105,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         missing = desired[model.id] - have
         if missing <= 0:
             continue
-        replacing = have + sum(1 for r in held if r.model == model.id)  # slots below this stand in for leaving ones
+        replacing = have + sum(1 for r in going if r.model == model.id)  # slots below this stand in for leaving ones
         step = recovery.next_step(model, snapshot.failures.get(model.id), settings, known=models)
         if step.parked:
             unschedulable.append(Unschedulable(model.id, step.reason, "parked", missing))
@@ -224,19 +224,19 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
     # 6. Leaving replicas stop once enough others are ready to stand in for them; the ready ones are
     # kept longest (they serve meanwhile). A leaving replica preemption took is gone already.
     going_of: dict[str, list[ReplicaInfo]] = {}
-    for replica in held:
+    for replica in going:
         if replica.id in fleet.replicas:
             going_of.setdefault(replica.model, []).append(replica)
-    held = []
+    held: list[ReplicaInfo] = []  # leaving replicas kept until enough replacements are ready
     for model_id in sorted(going_of):
-        going = sorted(going_of[model_id], key=lambda r: (r.ready_since is None, r.created_at, r.id))
+        mine = sorted(going_of[model_id], key=lambda r: (r.ready_since is None, r.created_at, r.id))
         standing_in = sum(1 for r in staying[model_id] if r.id in fleet.replicas and r.ready_since is not None)
         keep = max(0, desired[model_id] - standing_in)
         for why in ("drain", "restart"):
-            done = [r for r in going[keep:] if leaving[r.id] == why]
+            done = [r for r in mine[keep:] if leaving[r.id] == why]
             evict(model_id, done, MOVED[why], f"{len(done)} replica(s) stopped: {MOVE_DONE[why]}")
             moves.extend(Move(r.id, model_id, r.node, why, "stopping", MOVE_DONE[why]) for r in done)
-        held.extend(going[:keep])
+        held.extend(mine[:keep])
 
     launches = []
     for p in sorted(placed, key=lambda p: p.demand.key):
