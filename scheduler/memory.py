@@ -130,9 +130,13 @@ def calibrated_estimate(shape: ModelShape, engine: str, config, *, engine_versio
     found = observations(shape.model_key, engine, engine_version, device)
     if not found:
         return estimate
+    # vLLM fills the pool it is given (--gpu-memory-utilization follows the reservation), so what a
+    # load of it measures is its reservation, not what the model needs: learning from that would
+    # raise every next reservation by the margin. Only its out-of-memory failures teach.
     calibrated = calibration.calibrate(
         estimate, config.calibration_key(shape), found,
-        margin=settings.SCHEDULER_CALIBRATION_MARGIN_PERCENT / 100, oom_raise=settings.SCHEDULER_OOM_RAISE_PERCENT / 100)
+        margin=settings.SCHEDULER_CALIBRATION_MARGIN_PERCENT / 100, oom_raise=settings.SCHEDULER_OOM_RAISE_PERCENT / 100,
+        separate=config.calibration_separate, learns_from_loads=engine != "vllm")
     if engine == "vllm" and calibrated is not estimate and accelerator is not None and accelerator.memory_total_bytes:
         # The pool follows the calibrated reservation, and so does the KV cache it leaves.
         total = accelerator.memory_total_bytes
@@ -320,17 +324,42 @@ def _canonical(config: dict[str, Any]) -> str:
 
 
 def record_load(shape: ModelShape, engine: str, engine_version: str, config, device: str, *,
-                estimated_bytes: int, measured_bytes: int, node: Node | None = None) -> CalibrationRecord:
+                estimated_bytes: int, measured_bytes: int, node: Node | None = None, measurement: str = "",
+                holder: str = "") -> CalibrationRecord:
     """A successful load: what the engine really used (peak resident memory on the CPU, device
-    memory on a GPU) against what was estimated, for later estimates of the same key."""
+    memory on a GPU) against what was estimated, for later estimates of the same key.
+
+    ``estimated_bytes`` is the estimator's own figure for the launch (``uncalibrated_estimate``),
+    not the reservation: that one is already calibrated, and a ratio against it comes out near 1
+    and cancels what earlier loads taught. ``measurement`` says how ``measured_bytes`` was read
+    (``CalibrationRecord.Measurement``); ``holder`` is the reservation holder whose load it was."""
     if measured_bytes is None or measured_bytes <= 0 or estimated_bytes <= 0:
         raise InvalidCalibration("A load record needs the estimate and a measured figure above zero.",
                                  details={"measured_bytes": measured_bytes, "estimated_bytes": estimated_bytes})
+    if measurement and measurement not in CalibrationRecord.Measurement.values:
+        raise InvalidCalibration(f"Unknown measurement {measurement!r}.",
+                                 details={"measurement": f"One of {', '.join(CalibrationRecord.Measurement.values)}."})
     key = config.calibration_key(shape)
     return CalibrationRecord.objects.create(
         model_key=shape.model_key, model_name=shape.name, engine=engine, engine_version=engine_version, device=device,
         config=key, config_key=_canonical(key), estimated_bytes=estimated_bytes, measured_bytes=measured_bytes,
-        outcome=CalibrationRecord.Outcome.LOADED, node=node)
+        outcome=CalibrationRecord.Outcome.LOADED, node=node, measurement=measurement, holder=holder)
+
+
+def uncalibrated_estimate(shape: ModelShape, engine: str, config, accelerator: Accelerator | None = None) -> int:
+    """The estimator's own figure for a launch, before any calibration: the reference a load's
+    measurement is recorded against, so its ratio means the same as the estimate it later scales."""
+    return raw_estimate(shape, engine, config, accelerator).total_bytes
+
+
+def load_measurements(holders: Sequence[str]) -> dict[str, CalibrationRecord]:
+    """The newest load record of each of ``holders`` (replicas): what its load measured, and how."""
+    found: dict[str, CalibrationRecord] = {}
+    if holders:
+        for record in CalibrationRecord.objects.filter(holder__in=list(holders),
+                                                       outcome=CalibrationRecord.Outcome.LOADED):
+            found.setdefault(record.holder, record)  # newest first (the model's ordering)
+    return found
 
 
 def record_failure(shape: ModelShape, engine: str, engine_version: str, config, device: str, *,

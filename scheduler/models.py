@@ -202,6 +202,13 @@ class CalibrationRecord(models.Model):
         LOADED = "loaded", "Loaded"
         OOM = "oom", "Out of memory"
 
+    class Measurement(models.TextChoices):
+        """How a load's ``measured_bytes`` was read (``scheduler.nvml``'s names for the GPU ones)."""
+
+        PEAK_RSS = "peak_rss", "peak resident memory"
+        PER_PROCESS = "process", "the engine's processes (NVML)"
+        DEVICE_DELTA = "device_delta", "the device's use before and after the load (NVML)"
+
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     model_key = models.CharField(max_length=255)
     model_name = models.CharField(max_length=255, blank=True)
@@ -213,8 +220,13 @@ class CalibrationRecord(models.Model):
     estimated_bytes = models.BigIntegerField()
     measured_bytes = models.BigIntegerField(null=True, blank=True)
     outcome = models.CharField(max_length=8, choices=Outcome.choices)
+    measurement = models.CharField(max_length=16, choices=Measurement.choices, blank=True,
+                                   help_text="How measured_bytes was read; empty for a failure, or a load "
+                                             "recorded before it was kept.")
     evidence = models.TextField(blank=True)
     node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    holder = models.CharField(max_length=255, blank=True, db_index=True,
+                              help_text="The reservation holder (a replica) whose load this was.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

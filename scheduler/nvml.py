@@ -1,6 +1,7 @@
 """The one way Berth reads NVIDIA GPUs: NVML through ``pynvml``, else ``nvidia-smi -q -x``.
 
-Everything GPU-shaped enters the scheduler through ``discover_gpus``. Tests hand it recorded
+Everything GPU-shaped enters the scheduler through ``discover_gpus`` (the inventory) and
+``read_device_memory`` (what a load took, read around it by the node agent). Tests hand them recorded
 outputs of real machines (a module shaped like ``pynvml``, the text ``nvidia-smi`` printed), so
 nothing here may reach for NVML on its own. ``NVMLError_LibraryNotFound`` means the machine has no
 NVIDIA driver, hence no GPUs; other NVML failures fall back to ``nvidia-smi``. A figure that could
@@ -10,12 +11,13 @@ others: it is reported unhealthy with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from scheduler.reports import GpuDiscovery, GpuReport, MigInstanceReport
 
@@ -55,10 +57,7 @@ def discover_gpus(nvml: Any = None, run_smi: SmiRunner | None = None) -> GpuDisc
     """Read this machine's GPUs. ``nvml`` is the ``pynvml`` module (or a recording of one);
     ``run_smi`` runs ``nvidia-smi`` with the given arguments and returns its output."""
     if nvml is None:
-        try:
-            import pynvml as nvml  # noqa: PLC0415 - optional at import time on CPU-only machines
-        except ImportError:
-            nvml = None
+        nvml = load_pynvml()
     if run_smi is None:
         run_smi = _run_nvidia_smi
     if nvml is not None:
@@ -77,6 +76,15 @@ def discover_gpus(nvml: Any = None, run_smi: SmiRunner | None = None) -> GpuDisc
             except nvml.NVMLError:
                 pass
     return _from_smi(run_smi, "pynvml is not installed; read through nvidia-smi.")
+
+
+def load_pynvml() -> Any:
+    """The ``pynvml`` module, or ``None`` where it is not installed."""
+    try:
+        import pynvml  # noqa: PLC0415 - optional at import time on CPU-only machines
+    except ImportError:
+        return None
+    return pynvml
 
 
 # --- NVML ------------------------------------------------------------------------------------
@@ -309,6 +317,126 @@ def _smi_health(gpu: ET.Element) -> tuple[bool, str]:
     if (_find(gpu, "fb_memory_usage/total") or "").lower().startswith(("unknown", "gpu requires reset")):
         return False, "The GPU does not answer (nvidia-smi reports Unknown Error)."
     return True, ""
+
+
+# --- device memory around a load ----------------------------------------------------------------
+
+# How a load's device memory was measured (``CalibrationRecord.Measurement``'s values).
+PER_PROCESS = "process"
+DEVICE_DELTA = "device_delta"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """One GPU's (or MIG instance's) memory at one moment. ``processes``: what each compute process
+    holds there, by PID, ``None`` for a process whose figure the driver withholds; ``None`` as a
+    whole when the driver lists no processes at all (not supported, or the call failed)."""
+
+    uuid: str
+    used_bytes: int | None
+    processes: Mapping[int, int | None] | None
+
+
+def read_device_memory(uuids: Sequence[str], nvml: Any = None) -> dict[str, DeviceMemory]:
+    """The memory of each of ``uuids`` (GPU or MIG UUIDs) now, through NVML. A device NVML cannot
+    find is absent; a figure it cannot read is ``None``; without NVML (no library, no driver) the
+    answer is empty: nothing is known, which is not the same as nothing used."""
+    nvml = load_pynvml() if nvml is None else nvml
+    if nvml is None or not uuids:
+        return {}
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as error:
+        log.info("NVML did not initialise (%s): device memory not read", error)
+        return {}
+    try:
+        found = {}
+        for uuid in uuids:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            except nvml.NVMLError as error:
+                log.info("NVML does not find %s (%s): its memory is not read", uuid, error)
+                continue
+            found[uuid] = DeviceMemory(uuid=uuid, used_bytes=_used_bytes(nvml, handle),
+                                       processes=_process_bytes(nvml, handle))
+        return found
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+
+
+def _used_bytes(nvml: Any, handle: Any) -> int | None:
+    try:
+        used = getattr(nvml.nvmlDeviceGetMemoryInfo(handle), "used", None)
+    except nvml.NVMLError:
+        return None
+    return used if isinstance(used, int) else None
+
+
+def _process_bytes(nvml: Any, handle: Any) -> dict[int, int | None] | None:
+    try:
+        listed = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError:
+        return None
+    processes: dict[int, int | None] = {}
+    for process in listed or ():
+        used = getattr(process, "usedGpuMemory", None)  # pynvml gives None for NVML_VALUE_NOT_AVAILABLE
+        processes[int(process.pid)] = used if isinstance(used, int) else None
+    return processes
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadMemory:
+    """What an engine took on its GPUs once loaded, and how that was measured. ``bytes`` is the
+    fullest device's (an estimate is what each GPU must hold); ``None`` with ``reason`` when it is
+    not known."""
+
+    bytes: int | None
+    method: str = ""  # PER_PROCESS or DEVICE_DELTA; empty when unknown
+    per_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    reason: str = ""
+
+
+def load_memory(uuids: Sequence[str], pids: Collection[int], after: Mapping[str, DeviceMemory],
+                before: Mapping[str, DeviceMemory] | None = None, *, delta_spoiled: str = "") -> LoadMemory:
+    """The device memory an engine (its processes ``pids``) took on each of ``uuids``, read once it
+    is ready (``after``): per process where the driver reports the engine's processes on every one
+    of its devices, else each device's used memory after the load less before it (``before``, read
+    before the engine started). ``delta_spoiled`` says why the delta cannot be trusted (another
+    engine started or stopped on those devices meanwhile). A device without a figure makes the
+    whole measurement unknown: half a measurement would calibrate low."""
+    if not uuids:
+        return LoadMemory(None, reason="the engine has no GPU")
+    per_process = {}
+    for uuid in uuids:
+        device = after.get(uuid)
+        if device is None or device.processes is None:
+            break
+        figures = [device.processes[pid] for pid in pids if pid in device.processes]
+        if not figures or any(figure is None for figure in figures):
+            break
+        per_process[uuid] = sum(figures)
+    else:
+        if all(per_process.values()):
+            return LoadMemory(max(per_process.values()), PER_PROCESS, per_process)
+    why_not_process = "the driver does not report the engine's processes' memory"
+    if before is None:
+        return LoadMemory(None, reason=f"{why_not_process}, and the devices were not read before the load")
+    if delta_spoiled:
+        return LoadMemory(None, reason=f"{why_not_process}, and the device delta cannot be trusted: {delta_spoiled}")
+    deltas = {}
+    for uuid in uuids:
+        then, now = before.get(uuid), after.get(uuid)
+        if then is None or now is None or then.used_bytes is None or now.used_bytes is None:
+            return LoadMemory(None, reason=f"{why_not_process}, and {uuid}'s used memory was not read "
+                                           "before and after the load")
+        if now.used_bytes <= then.used_bytes:
+            return LoadMemory(None, reason=f"{why_not_process}, and {uuid}'s used memory did not grow "
+                                           "over the load (something else freed memory meanwhile)")
+        deltas[uuid] = now.used_bytes - then.used_bytes
+    return LoadMemory(max(deltas.values()), DEVICE_DELTA, deltas)
 
 
 # --- classes ----------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ class CalibrationRecordSerializer(serializers.ModelSerializer):
     class Meta:
         model = CalibrationRecord
         fields = ["id", "model_key", "model_name", "engine", "engine_version", "device", "config", "estimated_bytes",
-                  "measured_bytes", "error_percent", "outcome", "evidence", "created_at"]
+                  "measured_bytes", "measurement", "error_percent", "outcome", "evidence", "created_at"]
 
     def get_error_percent(self, obj) -> float | None:
         if not obj.measured_bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from scheduler.errors import InvalidEstimateRequest
 from scheduler.estimation.shape import ModelShape
@@ -82,6 +82,12 @@ class LlamaCppConfig:
     flash_attention: bool = True
     split_gpus: int = 1  # GPUs the offloaded layers are split over (llama.cpp's default --split-mode layer)
 
+    # Settings whose loads never calibrate each other: a neighbour's measured ÷ estimated ratio
+    # carries over only between loads with the same value. Flash attention changes what the compute
+    # buffer holds (without it, the attention scores of a micro-batch over the whole context), so a
+    # ratio learnt with it off would inflate — or with it on, shrink — estimates of the other.
+    calibration_separate: ClassVar[tuple[str, ...]] = ("flash_attention",)
+
     def validate(self) -> None:
         problems = {}
         if not 1 <= self.split_gpus <= 16:
@@ -105,7 +111,7 @@ class LlamaCppConfig:
         return {"ctx_size": _llamacpp_context(shape, self), "parallel": self.parallel,
                 "cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v,
                 "n_gpu_layers": _offloaded_layers(shape, self.n_gpu_layers), "ubatch_size": self.ubatch_size,
-                "split_gpus": self.split_gpus}
+                "split_gpus": self.split_gpus, "flash_attention": self.flash_attention}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +122,8 @@ class VllmConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+
+    calibration_separate: ClassVar[tuple[str, ...]] = ()  # see LlamaCppConfig
 
     def validate(self) -> None:
         problems = {}

@@ -25,15 +25,23 @@ class Observation:
 
 
 def calibrate(estimate: Estimate, config: dict[str, Any], observations: Sequence[Observation], *,
-              margin: float = 0.05, oom_raise: float = 0.25) -> Estimate:
+              margin: float = 0.05, oom_raise: float = 0.25, separate: Sequence[str] = (),
+              learns_from_loads: bool = True) -> Estimate:
     """The estimate after what earlier loads of the same model, engine and version measured.
 
     * A load with exactly this configuration: its measurement plus ``margin`` replaces the figure.
     * Loads with other configurations only: the newest one's measured ÷ estimated ratio scales
-      this estimate (it raises or lowers it).
+      this estimate (it raises or lowers it). ``estimated_bytes`` is the estimator's own figure for
+      that load, before calibration, like ``estimate`` here. Only a load that agrees on every
+      setting in ``separate`` is a neighbour (flash attention on and off never calibrate each other).
     * An out-of-memory failure (recorded only with evidence) with this configuration, newer than
       any successful load of it: the figure is at least what was tried plus ``oom_raise``.
+
+    ``learns_from_loads=False``: successful loads teach nothing, only out-of-memory failures do —
+    for an engine that takes whatever it is given, whose measured use is its reservation.
     """
+    if not learns_from_loads:
+        observations = [o for o in observations if o.outcome != "loaded"]
     exact = [o for o in observations if o.config == config]
     loaded_exact = next((o for o in exact if o.outcome == "loaded" and o.measured_bytes), None)
     total, rule, detail, used = estimate.total_bytes, None, "", []
@@ -43,7 +51,8 @@ def calibrate(estimate: Estimate, config: dict[str, Any], observations: Sequence
         detail = (f"measured {loaded_exact.measured_bytes:,} B with this configuration, plus a {margin:.0%} margin")
     else:
         neighbour = next((o for o in observations if o.outcome == "loaded" and o.measured_bytes
-                          and o.estimated_bytes > 0 and o.config != config), None)
+                          and o.estimated_bytes > 0 and o.config != config
+                          and all(o.config.get(name) == config.get(name) for name in separate)), None)
         if neighbour is not None:
             ratio = neighbour.measured_bytes / neighbour.estimated_bytes
             total = math.ceil(estimate.total_bytes * ratio)

@@ -1,7 +1,8 @@
-"""What this machine is: the facts a node reports about itself when it registers.
+"""What this machine is: the facts a node reports about itself when it registers, and the memory
+its GPUs hold now (read around each load to measure what the engine took).
 
-The node agent (Serving) grows this into full discovery (GPUs through the scheduler's NVML
-adapter, weights in model directories); today it reports CPUs, memory and installed engines.
+GPUs are read through the scheduler's NVML adapter only, with the NVML ``agent_nvml`` gives (tests
+replace it with recorded outputs of real machines).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import socket
 from django.conf import settings
 
 import berth
-from scheduler.nvml import discover_gpus
+from scheduler.nvml import DeviceMemory, discover_gpus, load_pynvml, read_device_memory
 from scheduler.reports import HeldWeightReport, ModelDirectoryReport
 from scheduler.services import NodeReport
 from serving.engines.installed import local_engines
@@ -55,6 +56,17 @@ def model_directories() -> tuple:
     return tuple(reports)
 
 
+def agent_nvml():
+    """The NVML this agent reads GPUs through: ``pynvml``, or ``None`` where it is not installed."""
+    return load_pynvml()
+
+
+def device_memory(uuids) -> dict[str, DeviceMemory]:
+    """What each of ``uuids`` (this machine's GPUs or MIG instances) holds now, by device and by
+    process; empty where NVML cannot be read."""
+    return read_device_memory(list(uuids), agent_nvml()) if uuids else {}
+
+
 def local_node_report() -> NodeReport:
     memory = meminfo()
     return NodeReport(
@@ -66,6 +78,6 @@ def local_node_report() -> NodeReport:
         agent_version=AGENT_VERSION,
         engines=tuple(local_engines()),
         cpu_load_1m=os.getloadavg()[0],
-        gpus=discover_gpus(),
+        gpus=discover_gpus(agent_nvml()),
         model_directories=model_directories(),
     )

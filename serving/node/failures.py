@@ -5,15 +5,19 @@ estimator — and what a load that went well teaches (calibration)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from berth.errors import BerthError
 from scheduler import memory, recovery_service
 from scheduler.estimation.reading import read_model
+from scheduler.models import Accelerator, CalibrationRecord
+from scheduler.nvml import LoadMemory
 from scheduler.policy import recovery
 from scheduler.policy.calibration import ExitClassification
 from serving.deployments import states
+from serving.deployments.service import accelerators_of
 from serving.engines.registry import estimation_config
-from serving.models import DeploymentState as S, ModelEntry, Replica
+from serving.models import Deployment, DeploymentState as S, ModelEntry, Replica
 from serving.node.runtime import handle_of, runtime_for
 from serving.runtimes.base import Exit, Handle
 
@@ -61,20 +65,45 @@ def _note_launch_failure(replica: Replica, kind: str, message: str) -> None:
                                   fallback=bool(recovery.usable_fallbacks(name, fallbacks, known)))
 
 
-def calibrate(replica: Replica, peak: int | None) -> None:
-    """Teach the estimator what this load really used (CPU: peak resident memory). Not a load with
-    a draft model: its peak is two models', and calibration records are one model's."""
+def calibrate(replica: Replica, peak: int | None, gpu: LoadMemory | None = None) -> None:
+    """Teach the estimator what this load really used: on the CPU its peak resident memory
+    (``peak``), on a GPU the device memory NVML measured (``gpu``: the engine's processes' own
+    figures, else the devices' use before and after the load), recorded with which one it was.
+
+    The reference is the estimator's own figure for the launch, before calibration — not the
+    reservation, which is already calibrated: a ratio against it comes out near 1 and cancels what
+    earlier loads taught. An unknown figure records nothing (unknown is not zero). Not a load with
+    a draft model: its memory is two models', and calibration records are one model's."""
     deployment = replica.deployment
-    if not peak or deployment.gpu_uuids or deployment.config.get("draft_model"):
+    if deployment.config.get("draft_model"):
+        log.info("no calibration record for %s: it loaded a draft model too", replica)
         return
     try:
         shape = read_model(deployment.model_path)
-        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config))
-        memory.record_load(shape, deployment.engine, _engine_version(replica), config, "cpu",
-                           estimated_bytes=deployment.memory_reserved_bytes or peak, measured_bytes=peak,
-                           node=replica.node)
+        config, device, accelerator = _launch(deployment)
+        if device == "cpu":
+            measured, how, why = peak, CalibrationRecord.Measurement.PEAK_RSS, "its peak resident memory was not read"
+        else:
+            gpu = gpu or LoadMemory(None, reason="it was not read")
+            measured, how, why = gpu.bytes, gpu.method, f"its device memory is not known: {gpu.reason}"
+        if not measured:
+            log.info("no calibration record for %s: %s", replica, why)
+            return
+        memory.record_load(shape, deployment.engine, _engine_version(replica), config, device,
+                           estimated_bytes=memory.uncalibrated_estimate(shape, deployment.engine, config, accelerator),
+                           measured_bytes=measured, node=replica.node, measurement=how, holder=states.holder_of(replica))
     except BerthError as error:
         log.warning("no calibration record for %s: %s", replica, error.message)
+
+
+def _launch(deployment: Deployment) -> tuple[Any, str, Accelerator | None]:
+    """The deployment's configuration as the estimator read it, the device its estimate is keyed by
+    ("cpu", or the first accelerator's class) and that accelerator: as ``deploy`` estimated it."""
+    accelerators = accelerators_of(deployment)
+    accelerator = accelerators[0] if accelerators else None
+    config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config,
+                                                                       len(deployment.gpu_uuids)))
+    return config, memory.device_of(deployment.engine, config, accelerator), accelerator
 
 
 def _engine_version(replica: Replica) -> str:
@@ -89,11 +118,9 @@ def _record_oom(replica: Replica, exit: Exit) -> None:
         return  # two models' memory: not evidence about either one's estimate (the ladder still counts it)
     try:
         shape = read_model(deployment.model_path)
-        config = memory.engine_config(deployment.engine, estimation_config(deployment.engine, deployment.config,
-                                                                           len(deployment.gpu_uuids)))
+        config, device, _accelerator = _launch(deployment)  # keyed as its estimates are, so they meet
         source = "docker" if "docker" in (exit.oom_evidence or "").lower() else "kernel"
-        memory.record_failure(shape, deployment.engine, _engine_version(replica), config,
-                              "gpu" if deployment.gpu_uuids else "cpu",
+        memory.record_failure(shape, deployment.engine, _engine_version(replica), config, device,
                               estimated_bytes=deployment.memory_reserved_bytes or 1,
                               classification=ExitClassification("oom", exit.oom_evidence or "", source),
                               node=replica.node)

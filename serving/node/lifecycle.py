@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from datetime import datetime
+from pathlib import Path
 
 import httpx
 from django.conf import settings
@@ -17,6 +19,7 @@ from django.utils import timezone
 from berth.errors import BerthError
 from scheduler import memory, recovery_service
 from scheduler.models import Node
+from scheduler.nvml import DeviceMemory, LoadMemory, load_memory
 from serving import load, queues
 from serving.deployments import gate, states
 from serving.deployments.service import accelerators_of
@@ -24,10 +27,11 @@ from serving.engines import vllm
 from serving.engines.registry import engine_for
 from serving.keys import replica_key
 from serving.models import DeploymentEvent, DeploymentState as S, Replica
-from serving.models.states import BEFORE_START, TERMINAL
+from serving.models.states import BEFORE_START, STARTING_UP, TERMINAL
 from serving.node import failures
-from serving.node.discovery import meminfo
+from serving.node.discovery import device_memory, meminfo
 from serving.node.runtime import base_url, handle_of, launch_spec, runtime_for
+from serving.runtimes.base import Handle
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # readiness polling: an engine answering /health is noticed within 50 ms
@@ -65,6 +69,7 @@ def _start(replica: Replica) -> None:
         failures.fail(replica, f"no longer fits at its turn: {error.message}")
         return
     runtime = runtime_for(deployment.runtime)
+    before = _read_gpus(deployment)  # the device delta's "before", should the driver not count per process
     try:
         engine = engine_for(deployment.engine)
         spec = launch_spec(replica)
@@ -79,12 +84,14 @@ def _start(replica: Replica) -> None:
     if not states.move(replica, S.LOADING, f"{runtime.kind} runtime started the engine", handle=dataclasses.asdict(handle)):
         runtime.stop(handle, grace_seconds=5)  # stopped while starting: do not leave it running
         return  # the caller finishes the stop (``_finish_stop_while_starting``)
-    watch_startup(replica)
+    watch_startup(replica, before=before)
 
 
-def watch_startup(replica: Replica) -> None:
+def watch_startup(replica: Replica, *, before: GpuReading | None = None) -> None:
     """Loading → ready once /health answers 200 and one real request succeeds; failed when the
-    engine exits, memory runs short, or the start-up timeout passes."""
+    engine exits, memory runs short, or the start-up timeout passes. Once ready, what the load took
+    is measured (``before``: the replica's GPUs as read before its engine started; an adopted
+    engine has none) and taught to the estimator."""
     deployment = replica.deployment
     runtime, handle = runtime_for(deployment.runtime), handle_of(replica)
     engine = engine_for(deployment.engine)
@@ -110,16 +117,74 @@ def watch_startup(replica: Replica) -> None:
                 return
             if _ready(http, base, headers, engine, spec, deployment.task):
                 peak = runtime.status(handle).peak_memory_bytes
+                gpu = _gpu_memory_taken(replica, handle, before) if deployment.gpu_uuids else None
                 if states.move(replica, S.READY, "health answered and a real request succeeded",
                                peak_memory_bytes=peak):
                     recovery_service.note_success(deployment.name)
-                failures.calibrate(replica, peak)
+                failures.calibrate(replica, peak, gpu)
                 return
             if time.monotonic() > deadline:
                 failures.fail(replica, f"not ready within {settings.SERVING_STARTUP_TIMEOUT_SECONDS}s", handle=handle,
                      launch_failure="hang")
                 return
             time.sleep(POLL_SECONDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuReading:
+    """A replica's GPUs as read just before its engine started, and when."""
+
+    at: datetime
+    devices: dict[str, DeviceMemory]
+
+
+def _read_gpus(deployment) -> GpuReading | None:
+    if not deployment.gpu_uuids:
+        return None
+    return GpuReading(at=timezone.now(), devices=device_memory(deployment.gpu_uuids))
+
+
+def _gpu_memory_taken(replica: Replica, handle: Handle, before: GpuReading | None) -> LoadMemory:
+    """The device memory the engine took on its GPUs, read now that it is ready: its processes' own
+    figures where the driver gives them, else each device's use now less before it started."""
+    uuids = replica.deployment.gpu_uuids
+    taken = load_memory(uuids, _engine_pids(handle), device_memory(uuids), before and before.devices,
+                        delta_spoiled=_others_moved(replica, before.at) if before else "")
+    if taken.bytes is not None:
+        log.info("%s took %s B of device memory (%s: %s)", replica, f"{taken.bytes:,}", taken.method,
+                 dict(taken.per_device))
+    return taken
+
+
+def _others_moved(replica: Replica, since: datetime) -> str:
+    """Why another engine may have changed the replica's GPUs' use since ``since`` (empty when none
+    did): another replica on any of them started, stopped, slept or woke, or is starting or stopping."""
+    uuids = set(replica.deployment.gpu_uuids)
+    moved = DeploymentEvent.objects.filter(at__gte=since, replica__isnull=False, replica__node_id=replica.node_id) \
+        .exclude(replica_id=replica.pk).values_list("replica__public_id", "deployment__gpu_uuids")
+    busy = Replica.objects.filter(node_id=replica.node_id, state__in=(*STARTING_UP, S.STOPPING)) \
+        .exclude(pk=replica.pk).values_list("public_id", "deployment__gpu_uuids")
+    for other, gpus in (*moved, *busy):
+        if uuids & set(gpus or ()):
+            return f"replica {other} on the same GPU started, stopped, slept or woke meanwhile"
+    return ""
+
+
+def _engine_pids(handle: Handle) -> set[int]:
+    """The engine's processes on this machine: its own and its session's (vLLM loads the model in
+    child processes, one per GPU with tensor parallelism; the process runtime gives each engine a
+    session of its own). An engine in a container has no PID here: none."""
+    if handle.pid is None:
+        return set()
+    pids = {handle.pid}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 3 and fields[3] == str(handle.pid):  # field 6 of stat: the session id
+            pids.add(int(stat.parent.name))
+    return pids
 
 
 def _ready(http, base, headers, engine, spec, task) -> bool:

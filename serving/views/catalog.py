@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.shortcuts import redirect
@@ -11,9 +13,12 @@ from django.views import View
 
 from berth.errors import BerthError
 from berth.htmx import render_page
+from scheduler import memory
+from scheduler.models import CalibrationRecord
 from serving.catalog import entries, fetch, hub, placing, profiles, queries, restarts, room, servability
 from serving.catalog.errors import HubUnreachable
 from serving.control import serve_model as serve
+from serving.deployments.states import holder_of
 from serving.models import FetchJob, ModelEntry, ProfileSpeed
 from serving.models.states import LOADABLE
 from serving.views.catalog_tables import FetchJobTable, FileTable, HeldTable, deployable
@@ -56,6 +61,34 @@ class HeldView(EntryMixin, ConsolePage):
         return response
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaMemory:
+    """What a replica's load measured, against what it reserved (on each of its GPUs, or the node's RAM)."""
+
+    measured_bytes: int | None
+    how: str = ""  # which measurement it was
+    over_bytes: int = 0  # how far the measurement exceeds the reservation
+
+
+def with_memory(replicas: list[tuple]) -> list[tuple]:
+    """``(deployment, replica)`` pairs, each replica with its ``memory`` (``ReplicaMemory``): on a GPU
+    the device memory its load measured (the engine's processes, or the device's delta) from its load
+    record; on the CPU its peak resident memory. Host memory is never shown against a GPU reservation."""
+    loads = memory.load_measurements([holder_of(replica) for _, replica in replicas])
+    for deployment, replica in replicas:
+        record = loads.get(holder_of(replica))
+        if record is not None and record.measured_bytes:
+            measured, how = record.measured_bytes, record.get_measurement_display() or "measured"
+        elif not deployment.gpu_uuids and replica.peak_memory_bytes:
+            measured, how = replica.peak_memory_bytes, CalibrationRecord.Measurement.PEAK_RSS.label
+        else:
+            measured, how = None, ""
+        reserved = replica.memory_reserved_bytes
+        over = measured - reserved if measured and reserved and measured > reserved else 0
+        replica.memory = ReplicaMemory(measured, how, over)
+    return replicas
+
+
 class ModelCardView(EntryMixin, ConsolePage):
     """A held model: servability, replicas, the room for more, its placement (a form) and files.
 
@@ -89,7 +122,8 @@ class ModelCardView(EntryMixin, ConsolePage):
                 for p in entry.profiles or []]
         context.update(entry=entry, files=FileTable(files), verdict=verdict, tab="held", profiles=ways,
                        deployable=bool(deployable(entry)),
-                       replicas=[(d, r) for d in entry.deployments for r in d.replica_set.all() if r.state in LOADABLE],
+                       replicas=with_memory([(d, r) for d in entry.deployments for r in d.replica_set.all()
+                                             if r.state in LOADABLE]),
                        room=room.room_for_more(entry), where=entry.placement,
                        values=kwargs.get("values") or placement_values(entry), problems=kwargs.get("problems") or {},
                        refusal=kwargs.get("refusal"), other_problems=kwargs.get("other_problems") or [],

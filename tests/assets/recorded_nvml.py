@@ -88,6 +88,22 @@ class RecordedNvml:
     def nvmlDeviceGetHandleByIndex(self, index):
         return ("gpu", index, None)
 
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.calls.append("nvmlDeviceGetHandleByUUID")
+        for index, device in enumerate(self._recording["devices"]):
+            if device.get("uuid") == uuid:
+                return ("gpu", index, None)
+            for position, mig in enumerate(device.get("mig_devices", [])):
+                if mig.get("uuid") == uuid:
+                    return ("mig", index, position)
+        self._fail("NotFound")
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        """``processes``: what the call listed, each ``{"pid", "usedGpuMemory"}`` (``None`` where
+        the driver withholds the figure, as pynvml reports it); absent: the call is not supported."""
+        listed = self._answer("nvmlDeviceGetComputeRunningProcesses", handle, "processes")
+        return [types.SimpleNamespace(**process) for process in listed]
+
     def nvmlDeviceGetName(self, handle):
         return self._answer("nvmlDeviceGetName", handle, "name")
 

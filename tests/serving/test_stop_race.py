@@ -174,12 +174,12 @@ def test_a_stop_that_read_starting_while_the_engine_was_recorded_still_stops_it(
 
     real_watch = node_agent.watch_startup
 
-    def watch_once_the_stop_landed(subject):
+    def watch_once_the_stop_landed(subject, **kwargs):
         # The engine (a tiny model) could be ready before the stop lands; the race is about a
         # replica still loading, so its start-up watch waits for the stop's move first.
         wait_until(lambda: Replica.objects.filter(pk=subject.pk).exclude(state="loading").exists(), 60,
                    what="the stop moved the loading replica")
-        return real_watch(subject)
+        return real_watch(subject, **kwargs)
 
     monkeypatch.setattr(states, "move", move_after_the_start_recorded_its_engine)
     monkeypatch.setattr(node_agent, "watch_startup", watch_once_the_stop_landed)
