@@ -14,4 +14,5 @@ def policy_settings() -> Settings:
     return Settings(min_lifetime_s=settings.SCHEDULER_MIN_LIFETIME_SECONDS,
                     preempt_hold_s=settings.SCHEDULER_PREEMPT_HOLD_SECONDS, max_victims=settings.SCHEDULER_MAX_VICTIMS,
                     park_after=park_after, crash_retries=park_after - 1,
-                    starved_after_s=settings.SCHEDULER_STARVED_AFTER_SECONDS)
+                    starved_after_s=settings.SCHEDULER_STARVED_AFTER_SECONDS,
+                    sleep_window_s=settings.SCHEDULER_SLEEP_WINDOW_SECONDS)

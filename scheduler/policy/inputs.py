@@ -170,7 +170,7 @@ class ReplicaInfo:
     accelerators: tuple[str, ...] = ()  # accelerator ids; () for CPU
     memory_bytes: int = 0  # per accelerator (GPU) or RAM (CPU), the draft's share included
     cpu_cores: int = 0
-    state: str = "ready"  # starting / ready (only counting replicas are passed)
+    state: str = "ready"  # starting / ready / sleeping (its device memory freed, its weights in host memory)
     pinned: bool = False
     active_requests: int = 0
     last_used_at: float | None = None  # None: not known, so not idle
@@ -180,6 +180,9 @@ class ReplicaInfo:
     fingerprint: str = ""
     load_added: bool = False
     spans_nodes: bool = False
+    # What it keeps in the node's host memory asleep (vLLM's level-1 sleep: its weights); 0: it
+    # cannot sleep (an engine without sleep mode), so making room stops it.
+    sleep_host_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +236,9 @@ class Settings:
     crash_retries: int = 4  # the fifth crash in a row parks the model (park_after)
     starved_after_s: float = 30  # a load waiting this long may push out idle replicas of its class worth more
     exhaustive_packing_limit: int = 400  # demands; above it, only the first greedy ordering is tried
+    # A replica that can sleep is put to sleep, not stopped, when room is made or it goes idle, if its
+    # model was asked for within this long; asleep this long unasked, it is stopped.
+    sleep_window_s: float = 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +283,19 @@ class Eviction:
     grace_s: float = 0
     beneficiary: str = ""
     tier: int | None = None
+    # Put to sleep rather than stopped: its device memory is freed all the same, and a request wakes
+    # it in seconds instead of a reload (``Settings.sleep_window_s``).
+    sleep: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    """A sleeping replica woken (through the start-up gate) instead of a new one launched."""
+
+    replica: str
+    model: str
+    node: str
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,13 +342,15 @@ class Plan:
     decisions: tuple[Decision, ...] = ()
     inputs_digest: str = ""
     moves: tuple[Move, ...] = ()
+    wakes: tuple[Wake, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.launches and not self.evictions
+        return not self.launches and not self.evictions and not self.wakes
 
     def fingerprint(self) -> str:
-        text = json.dumps(_plain((self.launches, self.evictions, self.unschedulable)), sort_keys=True, default=str)
+        text = json.dumps(_plain((self.launches, self.evictions, self.unschedulable, self.wakes)), sort_keys=True,
+                          default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def as_dict(self) -> dict[str, Any]:

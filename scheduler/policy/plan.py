@@ -18,10 +18,10 @@ from typing import Iterable
 
 from scheduler.policy import preemption, recovery
 from scheduler.policy.inputs import (
-    Decision, DesiredModel, Eviction, Hold, Launch, Move, Plan, ReplicaInfo, Snapshot, Unschedulable,
+    Decision, DesiredModel, Eviction, Hold, Launch, Move, Plan, ReplicaInfo, Snapshot, Unschedulable, Wake,
 )
 from scheduler.policy.placement import Fleet, Placer, constraint_refusal, draft_bytes, ordered_profiles
-from scheduler.policy.quotas import Quotas, need_of
+from scheduler.policy.quotas import Quotas, need_of, replica_need
 from scheduler.policy.residency import Demand, Placed, commit, desired_count, pack, surplus, try_place
 
 
@@ -35,12 +35,15 @@ def _protected(models: dict[str, DesiredModel]):
 def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
     now, settings = snapshot.now, snapshot.settings
     models = {m.id: m for m in sorted(snapshot.models, key=lambda m: m.id)}
-    replicas = sorted(snapshot.replicas, key=lambda r: r.id)
+    replicas = sorted((r for r in snapshot.replicas if r.state != ASLEEP), key=lambda r: r.id)
+    # Sleeping replicas serve nothing and hold no device memory: only their host memory counts, until
+    # one is woken (step 2) or stopped (step 1).
+    asleep = sorted((r for r in snapshot.replicas if r.state == ASLEEP), key=lambda r: r.id)
     by_model: dict[str, list[ReplicaInfo]] = {}
     for replica in replicas:
         by_model.setdefault(replica.model, []).append(replica)
     protected = _protected(models)
-    fleet = Fleet(snapshot.nodes, replicas)
+    fleet = Fleet(snapshot.nodes, replicas + [host_share(r) for r in asleep])
     quotas = Quotas(snapshot.contracts, {m.id: m.owner for m in models.values()}, replicas)
     placer = Placer()
     decisions: list[Decision] = []
@@ -61,14 +64,33 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         if hold.until > now and not satisfied:
             holds[hold.model] = hold
 
-    def evict(model_id: str, victims: list[ReplicaInfo], reason: str, detail: str) -> None:
+    def evict(model_id: str, victims: list[ReplicaInfo], reason: str, detail: str, may_sleep: bool = False) -> None:
+        stopped = []
         for victim in victims:
             fleet.remove(victim.id)
             quotas.remove(victim)
-            evictions.append(Eviction(replica=victim.id, model=model_id, reason=reason))
-        if victims:
+            why_asleep = sleeps_instead(victim, models.get(model_id), fleet, settings, now) if may_sleep else ""
+            evictions.append(Eviction(replica=victim.id, model=model_id, reason=reason, sleep=bool(why_asleep)))
+            if why_asleep:
+                decisions.append(Decision(model=model_id, verdict="evicted", codes=(reason, "sleep"),
+                                          node=victim.node, victims=(victim.id,), detail=f"{reason}: {why_asleep}"))
+            else:
+                stopped.append(victim)
+        if stopped:
             decisions.append(Decision(model=model_id, verdict="evicted", codes=(reason,),
-                                      victims=tuple(v.id for v in victims), detail=detail))
+                                      victims=tuple(v.id for v in stopped), detail=detail))
+
+    # 0. Sleeping replicas of models gone, asleep unasked past the sleep window, or on a draining node
+    # are stopped.
+    for replica in asleep:
+        model = models.get(replica.model)
+        why = asleep_too_long(replica, model, snapshot, settings)
+        if why:
+            fleet.remove(host_share(replica).id)
+            evictions.append(Eviction(replica=replica.id, model=replica.model, reason=why))
+            decisions.append(Decision(model=replica.model, verdict="evicted", codes=(why,), node=replica.node,
+                                      victims=(replica.id,), detail=f"stopped asleep: {ASLEEP_STOPPED[why]}"))
+    sleeping = {r.id for r in asleep} - {e.replica for e in evictions}
 
     # 1. Evictions: replicas of models no longer desired, and surplus above the desired count among
     # those not leaving (a draining node's, a rolling restart's next: step 6 decides when they stop).
@@ -76,6 +98,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
     staying: dict[str, list[ReplicaInfo]] = {}
     going: list[ReplicaInfo] = []  # leaving replicas of catalog models
     moves: list[Move] = []
+    wakes: list[Wake] = []
     for model_id in sorted(by_model):
         mine = by_model[model_id]
         model = models.get(model_id)
@@ -90,7 +113,8 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         kept = [r for r in mine if r.id not in leaving]
         victims = surplus(kept, desired[model_id], now, protected=protected,
                           idle_only_after=model.scaling.idle_timeout_s if idle else None)
-        evict(model_id, victims, reason, f"{len(victims)} replica(s) stopped: {reason}")
+        # Going idle frees room like making room does: a replica that can sleep sleeps (a surplus stops).
+        evict(model_id, victims, reason, f"{len(victims)} replica(s) stopped: {reason}", may_sleep=idle)
         staying[model_id] = [r for r in kept if r not in victims]
         # Replaced like missing ones; whether they stop is decided last (after preemption, which
         # may take a replica that would have stood in for one).
@@ -123,6 +147,24 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             why = f"backing off after a {snapshot.failures[model.id].kind} until {step.not_before:.0f}"
             unschedulable.append(Unschedulable(model.id, why, "backoff", missing))
             decisions.append(Decision(model.id, "backoff", ("backoff",), detail=why))
+            continue
+        # A sleeping replica whose GPUs have room again is woken before a new one is launched.
+        for replica in [r for r in asleep if r.id in sleeping and r.model == model.id][:missing]:
+            why = wakes_there(replica, model, fleet, quotas)
+            if why:
+                continue
+            sleeping.discard(replica.id)
+            fleet.remove(host_share(replica).id)
+            awake = dataclasses.replace(replica, state="starting", ready_since=None)
+            fleet.add(awake)
+            quotas.add(awake)
+            staying.setdefault(model.id, []).append(awake)
+            wakes.append(Wake(replica.id, model.id, replica.node, reason=f"woken for {demand_reason(model)}"))
+            decisions.append(Decision(model.id, "placed", ("wake",), node=replica.node,
+                                      accelerators=replica.accelerators,
+                                      detail=f"woken on {replica.node} (a wake takes seconds, a load far longer)"))
+            have, missing = have + 1, missing - 1
+        if missing <= 0:
             continue
         source, serves_for = model, ""
         if step.fallback:
@@ -195,14 +237,18 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             fleet, quotas = trial, trial_quotas
             for c in chosen:
                 victim_model = models[c.replica.model]
+                why_asleep = sleeps_instead(c.replica, victim_model, fleet, settings, now)
                 evictions.append(Eviction(replica=c.replica.id, model=c.replica.model, reason="preempted",
-                                          grace_s=settings.preempt_grace_s, beneficiary=model.id, tier=c.tier))
+                                          grace_s=settings.preempt_grace_s, beneficiary=model.id, tier=c.tier,
+                                          sleep=bool(why_asleep)))
                 new_holds.append(Hold(model=victim_model.id, until=now + settings.preempt_hold_s,
                                       beneficiary=model.id))
-                decisions.append(Decision(victim_model.id, "preempted", (f"preempted-tier-{c.tier}",),
+                codes = (f"preempted-tier-{c.tier}",) + (("sleep",) if why_asleep else ())
+                decisions.append(Decision(victim_model.id, "preempted", codes,
                                           node=c.replica.node, accelerators=c.replica.accelerators,
                                           victims=(c.replica.id,),
-                                          detail=f"gave room to {_named_to(model, victim_model)}"))
+                                          detail=f"gave room to {_named_to(model, victim_model)}"
+                                                 + (f"; {why_asleep}" if why_asleep else "")))
             placed.append(commit(demand, profile, spot, fleet, quotas, now))
             victims_of[demand.key] = [c.replica.id for c in chosen]
             unplaced.remove(demand)
@@ -277,7 +323,70 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
     return Plan(launches=tuple(launches), evictions=tuple(sorted(evictions, key=lambda e: e.replica)),
                 unschedulable=tuple(sorted(unschedulable, key=lambda u: u.model)), holds=all_holds,
                 decisions=tuple(sorted(decisions, key=lambda d: (d.model, d.verdict, d.node, d.victims))),
-                inputs_digest="", moves=tuple(sorted(moves, key=lambda m: (m.node, m.model, m.replica))))
+                inputs_digest="", moves=tuple(sorted(moves, key=lambda m: (m.node, m.model, m.replica))),
+                wakes=tuple(sorted(wakes, key=lambda w: w.replica)))
+
+
+# --- sleep as a residency tier ------------------------------------------------------------------------
+
+ASLEEP = "sleeping"
+ASLEEP_STOPPED = {"not-desired": "its model is no longer in the catalog",
+                  "idle": "not asked for within the sleep window", "drained": "its node is draining"}
+
+
+def host_share(replica: ReplicaInfo) -> ReplicaInfo:
+    """A sleeping replica as the fleet counts it: its host memory on its node, no device memory, and
+    none of its model's spread (it serves nothing)."""
+    return ReplicaInfo(id=f"asleep:{replica.id}", model=f"asleep:{replica.model}", profile="", node=replica.node,
+                       memory_bytes=replica.sleep_host_bytes, pinned=True)
+
+
+def sleeps_instead(replica: ReplicaInfo, model: DesiredModel | None, fleet: Fleet, settings, now: float) -> str:
+    """Why ``replica``, being evicted, is put to sleep rather than stopped ("" to stop it): it can
+    sleep, its model was asked for within the sleep window (so it is likely asked again soon), and
+    its node's host memory has room for what it keeps there. Counts that host memory in ``fleet``."""
+    if not replica.sleep_host_bytes or model is None or not replica.accelerators:
+        return ""
+    if model.last_requested_at is None or now - model.last_requested_at >= settings.sleep_window_s:
+        return ""
+    free = fleet.free_ram.get(replica.node)
+    if free is not None and free < replica.sleep_host_bytes:
+        return ""
+    fleet.add(host_share(replica))
+    return (f"put to sleep, not stopped: asked for {now - model.last_requested_at:.0f} s ago (within the "
+            f"{settings.sleep_window_s:.0f} s sleep window), and a wake takes seconds where a reload takes far longer")
+
+
+def asleep_too_long(replica: ReplicaInfo, model: DesiredModel | None, snapshot: Snapshot, settings) -> str:
+    """The reason a sleeping replica is stopped now ("" to let it sleep on)."""
+    if model is None:
+        return "not-desired"
+    node = next((n for n in snapshot.nodes if n.name == replica.node), None)
+    if node is not None and node.state == "draining":
+        return "drained"
+    last = model.last_requested_at
+    if last is not None and snapshot.now - last >= settings.sleep_window_s:
+        return "idle"
+    return ""
+
+
+def wakes_there(replica: ReplicaInfo, model: DesiredModel, fleet: Fleet, quotas: Quotas) -> str:
+    """Why the sleeping replica cannot be woken where it sleeps ("" when it can): its node takes no
+    work, its GPUs no longer have the room, another replica of its model is on one of them, or its
+    owner's quota is spent."""
+    node = fleet.nodes.get(replica.node)
+    if node is None or node.state != "ready":
+        return "its node takes no work"
+    for acc in replica.accelerators:
+        if fleet.free_acc.get(acc, 0) < replica.memory_bytes or acc in fleet.mig_used:
+            return f"{acc} no longer has the room"
+    if set(fleet.card_of(a) for a in replica.accelerators) & set(fleet.cards_used(model.id)):
+        return "another replica of its model runs there"
+    return quotas.refusal(model.owner, replica_need(replica)) if quotas.governed else ""
+
+
+def demand_reason(model: DesiredModel) -> str:
+    return "the requests waiting for it" if model.waiting else "its minimum"
 
 
 # Why a replica leaves, what its eviction is called, and what is said once it stops.
@@ -374,8 +483,18 @@ def apply_to_fleet(snapshot: Snapshot, plan: Plan) -> Fleet:
 
 def apply(snapshot: Snapshot, plan: Plan) -> Snapshot:
     """The snapshot after a plan is applied as Serving would: evictions gone, launches starting."""
-    gone = {e.replica for e in plan.evictions}
-    kept = [r for r in snapshot.replicas if r.id not in gone]
+    gone = {e.replica for e in plan.evictions if not e.sleep}
+    slept = {e.replica for e in plan.evictions if e.sleep}
+    woken = {w.replica for w in plan.wakes}
+    kept = []
+    for r in snapshot.replicas:
+        if r.id in gone:
+            continue
+        if r.id in slept:
+            r = dataclasses.replace(r, state=ASLEEP, ready_since=None, active_requests=0)
+        elif r.id in woken:
+            r = dataclasses.replace(r, state="starting", ready_since=None)
+        kept.append(r)
     counts: dict[str, int] = {}
     for r in kept:
         counts[r.model] = counts.get(r.model, 0) + 1

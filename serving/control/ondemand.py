@@ -43,6 +43,7 @@ from tenancy.audit import Actor
 log = logging.getLogger(__name__)
 ACTOR = Actor(system="on-demand")
 ASK_POLICY_EVERY_S = 5
+WAKE_EXPECTED_S = 10.0  # a vLLM wake moves its weights back to the GPU: seconds, where a load takes minutes
 
 
 class NotLoadable(Unavailable):
@@ -213,6 +214,18 @@ def _expected_load_seconds(deployments: list[Deployment]) -> float:
     return max(1.0, typical - elapsed)
 
 
+def _wake(deployment: Deployment, deployments: list[Deployment]) -> LoadTicket:
+    """A request for a model that only sleeps wakes it, through the start-up gate, once: the requests
+    after it find the wake asked for and wait with it."""
+    asked = deployment.replica_set.filter(state=S.SLEEPING, wake_requested_at__isnull=False).exists()
+    if not asked:
+        try:
+            service.wake(ACTOR, deployment, wait_seconds=0)
+        except BerthError as error:  # the reconcile pass places it elsewhere if it cannot wake where it sleeps
+            log.info("%s could not be woken for a request: %s", deployment.name, error.message)
+    return LoadTicket(model=deployment.name, expected_seconds=WAKE_EXPECTED_S)
+
+
 def request_load(model_name: str, batch: bool = False) -> LoadTicket:
     """Ask for ``model_name`` to be made ready; return at once with the expected wait. ``batch``: the
     request asking is at the batch priority (placed only where room is free: ``_place``).
@@ -227,6 +240,8 @@ def request_load(model_name: str, batch: bool = False) -> LoadTicket:
     """
     deployments = [d for d in Deployment.objects.filter(name=model_name)]
     loadable = [d for d in deployments if d.state in LOADABLE]
+    if loadable and all(d.state == S.SLEEPING for d in loadable):
+        return _wake(loadable[0], deployments)
     if not loadable:
         back = _coming_back(model_name)
         if back is not None:

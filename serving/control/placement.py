@@ -32,7 +32,7 @@ from scheduler.policy.inputs import Hold, ReplicaInfo, Scaling, Snapshot
 from scheduler.snapshot import contracts_from_tenancy, inventory, policy_settings, reservations_as_replicas
 from serving import load
 from serving.catalog import entries as catalog_entries, profiles, room, speed
-from serving.deployments import service, states
+from serving.deployments import actions, service, states
 from serving.deployments.request import DeployRequest
 from serving.models import DeploymentState as S, ModelEntry, Replica
 from serving.models.states import COUNTING
@@ -110,7 +110,7 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, batch_waiting: Mapping
         urgent[name] = max(urgent.get(name, 0), count - (batch_waiting or {}).get(name, 0))
     entries = _catalog() if entries is None else entries
     rows = list(Replica.objects.select_related("deployment", "node")
-                .filter(deployment__name__in=entries, state__in=COUNTING).order_by("created_at", "pk"))
+                .filter(deployment__name__in=entries, state__in=PLACED).order_by("created_at", "pk"))
     used = load.last_used(entries, {r.deployment.name for r in rows}, now)
     extra = scale(now, live, entries.values(), rows, step=step_scaling)
     public_ids = dict(Accelerator.objects.values_list("uuid", "public_id"))
@@ -129,24 +129,39 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, batch_waiting: Mapping
     replicas, catalog_holders, counted = [], set(), Counter()
     for replica in rows:
         deployment = replica.deployment
-        counted[deployment.name] += 1  # oldest first: those beyond the base are the load-added ones
+        asleep = replica.state == S.SLEEPING
+        counted[deployment.name] += 0 if asleep else 1  # oldest first: those beyond the base are the load-added ones
         catalog_holders.add(states.holder_of(replica))
         accelerators = tuple(str(public_ids[u]) for u in deployment.gpu_uuids if u in public_ids)
         in_flight = live.in_flight.get(str(replica.public_id), 0)
         replicas.append(ReplicaInfo(
             id=str(replica.public_id), model=deployment.name, profile=deployment.profile,
             node=replica.node.name, accelerators=accelerators, memory_bytes=replica.memory_reserved_bytes or 0,
-            cpu_cores=deployment.cores or 0, state="ready" if replica.state == S.READY else "starting",
+            cpu_cores=deployment.cores or 0,
+            state={S.READY: "ready", S.SLEEPING: policy.ASLEEP}.get(replica.state, "starting"),
             active_requests=in_flight, last_used_at=now if in_flight else used.get(deployment.name),
             ready_since=_stamp(replica.ready_at),
             load_seconds=(replica.ready_at - replica.started_at).total_seconds()
             if replica.ready_at and replica.started_at else None,
             created_at=replica.created_at.timestamp(), pinned=entries[deployment.name].pinned,
-            load_added=counted[deployment.name] > max(entries[deployment.name].scaling_min, 1)))
+            load_added=counted[deployment.name] > max(entries[deployment.name].scaling_min, 1),
+            sleep_host_bytes=sleep_host_bytes(deployment)))
     others = tuple(r for r in reservations_as_replicas() if r.id.removeprefix("reservation:") not in catalog_holders)
     return Snapshot(now=now, nodes=inventory(), models=tuple(models), replicas=tuple(replicas) + others,
                     contracts=contracts_from_tenancy(), failures=recovery_service.failure_states(),
                     holds=tuple(Hold(**h) for h in cache.get(HOLDS_KEY) or ()), settings=policy_settings())
+
+
+# What the policy places and counts: replicas coming up or ready, and sleeping ones (their host memory).
+PLACED = COUNTING + (S.SLEEPING,)
+
+
+def sleep_host_bytes(deployment) -> int:
+    """What the replica keeps in host memory asleep (vLLM's level-1 sleep moves its weights there);
+    0 when it cannot sleep: not vLLM, or started without sleep mode."""
+    if not actions.can_sleep(deployment):
+        return 0
+    return int((deployment.estimate or {}).get("weights_bytes") or 0)
 
 
 def scale(now: float, live: load.Load, entries, rows, *, step: bool) -> dict[str, int]:
@@ -236,11 +251,14 @@ def _reconcile(waiting: Mapping[str, int] | None, batch_waiting: Mapping[str, in
     evicted, launched = [], []
     for eviction in plan.evictions:
         replica = Replica.objects.select_related("deployment").filter(public_id=eviction.replica).first()
-        if replica is None or replica.state not in COUNTING:
+        if replica is None or replica.state not in PLACED:
             continue
         try:
             with transaction.atomic():
-                service.stop(ACTOR, replica.deployment)
+                if eviction.sleep:  # its device memory is freed all the same; a request wakes it in seconds
+                    service.sleep(ACTOR, replica.deployment)
+                else:
+                    service.stop(ACTOR, replica.deployment)
                 if eviction.beneficiary:
                     # Hand its reservation over now, so the beneficiary's launch below fits; that
                     # launch waits at the start-up gate until this engine has exited.
@@ -248,6 +266,16 @@ def _reconcile(waiting: Mapping[str, int] | None, batch_waiting: Mapping[str, in
             evicted.append(replica.deployment.name)
         except BerthError as error:
             log.warning("could not evict %s (%s): %s", replica, eviction.reason, error.message)
+    woken = []
+    for wake in plan.wakes:
+        replica = Replica.objects.select_related("deployment").filter(public_id=wake.replica, state=S.SLEEPING).first()
+        if replica is None:
+            continue  # woken or stopped since the snapshot
+        try:
+            service.wake(ACTOR, replica.deployment, wait_seconds=0)  # through the start-up gate; never waited on here
+            woken.append(wake.model)
+        except BerthError as error:
+            log.warning("could not wake %s: %s", replica, error.message)
     for launch in plan.launches:  # the entries the snapshot was built from
         entry = entries.get(launch.serves_for or launch.model)
         node = Node.objects.filter(name=launch.node).first()
@@ -266,4 +294,4 @@ def _reconcile(waiting: Mapping[str, int] | None, batch_waiting: Mapping[str, in
             launched.append(launch.model)
         except BerthError as error:  # the next pass sees why (the node changed since the snapshot)
             log.warning("could not launch %s on %s: %s", launch.model, node.name, error.message)
-    return {"launched": launched, "evicted": evicted, "unschedulable": unschedulable}
+    return {"launched": launched, "evicted": evicted, "unschedulable": unschedulable, **({"woken": woken} if woken else {})}

@@ -18,6 +18,11 @@ from serving.models.states import BEFORE_START, TERMINAL, UP
 VERBS = ("start", "stop", "sleep", "wake", "reconfigure", "remove")
 
 
+def can_sleep(deployment: Deployment) -> bool:
+    """Whether its engine can sleep and wake (vLLM started with sleep mode, its default)."""
+    return deployment.engine == Deployment.Engine.VLLM and bool((deployment.config or {}).get("enable_sleep_mode", True))
+
+
 def _stops(state: str) -> bool:
     """A stop moves an engine that runs (or may) to stopping, and cancels one not started yet."""
     moves = ALLOWED.get(state, ())
@@ -41,6 +46,9 @@ def refusal(deployment: Deployment, verb: str) -> BerthError | None:
         if deployment.engine != Deployment.Engine.VLLM:
             return SleepNotSupported(f"{deployment.get_engine_display()} cannot sleep: stop {name} to free its "
                                      "memory (it loads again when started).", details={"engine": deployment.engine})
+        if not can_sleep(deployment):
+            return SleepNotSupported(f"{name} was started without sleep mode: stop it to free its memory, or "
+                                     "reconfigure it with enable_sleep_mode.", details={"engine": deployment.engine})
         if S.SLEEPING in ALLOWED.get(state, ()):
             return None
         return DeploymentConflict(f"{name} is {state}: only a ready deployment sleeps.",

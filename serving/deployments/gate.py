@@ -3,8 +3,9 @@
 An engine sizing its cache while another starts can fail, so starts take turns. A replica that
 finds every slot taken keeps its reservation and port and waits as ``queued``, first come first
 served. A replica launched in the room of preempted ones (``waits_for``) also waits, queued,
-until they have stopped: their reservations were handed over at once, their memory is free only
-once their engines exit. Stops and sleeps never pass through the gate.
+until they have stopped (or, put to sleep to make room, are asleep): their reservations were handed
+over at once, their memory is free only once their engines exit or sleep. Stops and sleeps never pass
+through the gate.
 
 A wake passes through it like a start (on unified memory, an engine waking while another profiles
 its memory breaks that start). A sleeping replica whose wake was asked for is in the same line,
@@ -67,8 +68,9 @@ def claim(replica: Replica) -> bool:
             return False
         taken = busy(replica.node_id)
         starts, wakes = _ahead(replica, replica.queued_at if replica.state == S.QUEUED else None)
-        handing_over = Replica.objects.filter(public_id__in=replica.waits_for).exclude(state__in=TERMINAL).count() \
-            if replica.waits_for else 0
+        # A replica preempted by sleep has handed its device memory over once it is asleep.
+        handing_over = Replica.objects.filter(public_id__in=replica.waits_for) \
+            .exclude(state__in=TERMINAL + (S.SLEEPING,)).count() if replica.waits_for else 0
         if taken < settings.SERVING_STARTUP_SLOTS and not starts.exists() and not wakes.exists() \
                 and not handing_over:
             return states.move(replica, S.STARTING, "start-up slot taken")

@@ -267,6 +267,7 @@ def sleep_replica(replica_id: str) -> None:
         return
     if states.move(replica, S.SLEEPING, "asleep: its device memory is free"):
         memory.release_reservation(states.holder_of(replica))
+        admit_next(replica.node_id)  # a start waiting for this memory (put to sleep to make room) may go
 
 
 def wake_replica(replica_id: str) -> None:
