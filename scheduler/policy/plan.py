@@ -69,7 +69,7 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
         for victim in victims:
             fleet.remove(victim.id)
             quotas.remove(victim)
-            why_asleep = sleeps_instead(victim, models.get(model_id), fleet, settings, now) if may_sleep else ""
+            why_asleep = try_sleep(victim, models.get(model_id), fleet, settings, now) if may_sleep else ""
             evictions.append(Eviction(replica=victim.id, model=model_id, reason=reason, sleep=bool(why_asleep)))
             if why_asleep:
                 decisions.append(Decision(model=model_id, verdict="evicted", codes=(reason, "sleep"),
@@ -235,9 +235,10 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
             if spot is None:
                 continue
             fleet, quotas = trial, trial_quotas
+            placed.append(commit(demand, profile, spot, fleet, quotas, now))  # first: a victim asleep keeps host memory
             for c in chosen:
                 victim_model = models[c.replica.model]
-                why_asleep = sleeps_instead(c.replica, victim_model, fleet, settings, now)
+                why_asleep = try_sleep(c.replica, victim_model, fleet, settings, now)
                 evictions.append(Eviction(replica=c.replica.id, model=c.replica.model, reason="preempted",
                                           grace_s=settings.preempt_grace_s, beneficiary=model.id, tier=c.tier,
                                           sleep=bool(why_asleep)))
@@ -249,7 +250,6 @@ def schedule(snapshot: Snapshot, *, only: Iterable[str] | None = None) -> Plan:
                                           victims=(c.replica.id,),
                                           detail=f"gave room to {_named_to(model, victim_model)}"
                                                  + (f"; {why_asleep}" if why_asleep else "")))
-            placed.append(commit(demand, profile, spot, fleet, quotas, now))
             victims_of[demand.key] = [c.replica.id for c in chosen]
             unplaced.remove(demand)
             progress = True
@@ -341,10 +341,11 @@ def host_share(replica: ReplicaInfo) -> ReplicaInfo:
                        memory_bytes=replica.sleep_host_bytes, pinned=True)
 
 
-def sleeps_instead(replica: ReplicaInfo, model: DesiredModel | None, fleet: Fleet, settings, now: float) -> str:
-    """Why ``replica``, being evicted, is put to sleep rather than stopped ("" to stop it): it can
-    sleep, its model was asked for within the sleep window (so it is likely asked again soon), and
-    its node's host memory has room for what it keeps there. Counts that host memory in ``fleet``."""
+def try_sleep(replica: ReplicaInfo, model: DesiredModel | None, fleet: Fleet, settings, now: float) -> str:
+    """Put ``replica``, being evicted, to sleep rather than stop it, when it can sleep, its model was
+    asked for within the sleep window (so it is likely asked again soon), and its node's host memory
+    has room for what it keeps there: that host memory is then counted in ``fleet``, and the answer
+    says why. "" to stop it."""
     if not replica.sleep_host_bytes or model is None or not replica.accelerators:
         return ""
     if model.last_requested_at is None or now - model.last_requested_at >= settings.sleep_window_s:

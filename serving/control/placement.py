@@ -138,7 +138,9 @@ def snapshot(waiting: Mapping[str, int] | None = None, *, batch_waiting: Mapping
             id=str(replica.public_id), model=deployment.name, profile=deployment.profile,
             node=replica.node.name, accelerators=accelerators, memory_bytes=replica.memory_reserved_bytes or 0,
             cpu_cores=deployment.cores or 0,
-            state={S.READY: "ready", S.SLEEPING: policy.ASLEEP}.get(replica.state, "starting"),
+            # A sleeping replica whose wake was asked for claims its memory back: it is coming up.
+            state="ready" if replica.state == S.READY else policy.ASLEEP if asleep and not replica.wake_requested_at
+            else "starting",
             active_requests=in_flight, last_used_at=now if in_flight else used.get(deployment.name),
             ready_since=_stamp(replica.ready_at),
             load_seconds=(replica.ready_at - replica.started_at).total_seconds()

@@ -5,10 +5,13 @@ GPU has the room, else a new one is launched; asleep unasked past the window, it
 
 import dataclasses
 
+from hypothesis import given, strategies as st
+
 from scheduler.policy.inputs import (
     GIB, AcceleratorInfo, DesiredModel, NodeInfo, Profile, ReplicaInfo, Scaling, Settings, Snapshot,
 )
 from scheduler.policy.plan import apply, schedule
+from tests.scheduler.test_policy_properties import PROPS, snapshots
 
 G = GIB
 NOW = 100_000.0
@@ -113,3 +116,37 @@ def test_the_sleep_window_is_a_setting():
     snap = Snapshot(NOW, (gpu_node(),), (recent,), (replica("r", "m", last_used_at=NOW - 1200),),
                     settings=Settings(sleep_window_s=600))
     assert [e.sleep for e in schedule(snap).evictions] == [False]
+
+
+@st.composite
+def with_sleepers(draw):
+    """A random resident state (the policy properties'), some of its GPU replicas able to sleep and
+    some asleep, their models asked for at random moments."""
+    snap = draw(snapshots())
+    replicas = []
+    for r in snap.replicas:
+        if r.accelerators and draw(st.booleans()):
+            r = dataclasses.replace(r, sleep_host_bytes=draw(st.sampled_from([1, 8, 30])) * G)
+            if draw(st.booleans()):
+                r = dataclasses.replace(r, state="sleeping", ready_since=None, active_requests=0)
+        replicas.append(r)
+    models = tuple(dataclasses.replace(m, last_requested_at=draw(st.sampled_from([None, snap.now - 60, snap.now - 9000])))
+                   for m in snap.models)
+    return dataclasses.replace(snap, replicas=tuple(replicas), models=models)
+
+
+@PROPS
+@given(with_sleepers())
+def test_sleep_keeps_the_policy_deterministic_and_converging(snap):
+    plan = schedule(snap)
+    assert schedule(dataclasses.replace(snap, replicas=snap.replicas[::-1], models=snap.models[::-1])) == plan
+    by_id = {r.id: r for r in snap.replicas}
+    for eviction in plan.evictions:
+        if eviction.sleep:  # only what can sleep, awake, of a model asked for within the window
+            replica = by_id[eviction.replica]
+            assert replica.sleep_host_bytes and replica.state != "sleeping"
+    for wake in plan.wakes:
+        assert by_id[wake.replica].state == "sleeping"
+    after = apply(snap, plan)
+    again = schedule(after)
+    assert again.launches == () and again.evictions == () and again.wakes == (), (plan, again)
