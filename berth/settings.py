@@ -277,6 +277,10 @@ SERVING_STARTUP_TIMEOUT_SECONDS = env.integer("BERTH_STARTUP_TIMEOUT_SECONDS", 9
 # answers 202 with its place in line while the wake goes on, for at most the timeout in all.
 SERVING_WAKE_WAIT_SECONDS = env.integer("BERTH_WAKE_WAIT_SECONDS", 50, minimum=0, maximum=600)
 SERVING_WAKE_TIMEOUT_SECONDS = env.integer("BERTH_WAKE_TIMEOUT_SECONDS", 300, minimum=5, maximum=86400)
+# Where a node agent reaches the control plane's web server to fetch the mirror's weights it lacks
+# (serving.node.weights); `serve` sets it for the agent it runs. A fetch link lasts this long.
+SERVING_CONTROL_URL = env.string("BERTH_CONTROL_URL", "http://127.0.0.1:8000").rstrip("/")
+SERVING_WEIGHTS_LINK_SECONDS = env.integer("BERTH_WEIGHTS_LINK_SECONDS", 3600, minimum=60, maximum=7 * 86400)
 # A stopping replica's requests in flight (as the gateways report them) may finish for this long.
 SERVING_DRAIN_SECONDS = env.integer("BERTH_DRAIN_SECONDS", 30, minimum=0, maximum=3600)
 SERVING_HEARTBEAT_SECONDS = env.integer("BERTH_HEARTBEAT_SECONDS", 5, minimum=1, maximum=300)

@@ -31,7 +31,7 @@ from scheduler.policy import plan as policy, recovery, scaling
 from scheduler.policy.inputs import Hold, ReplicaInfo, Scaling, Snapshot
 from scheduler.snapshot import contracts_from_tenancy, inventory, policy_settings, reservations_as_replicas
 from serving import load
-from serving.catalog import entries as catalog_entries, profiles, room, speed
+from serving.catalog import entries as catalog_entries, profiles, room, speed, transfer
 from serving.deployments import actions, service, states
 from serving.deployments.request import DeployRequest
 from serving.models import DeploymentState as S, ModelEntry, Replica
@@ -81,11 +81,13 @@ def deploy_request(entry: ModelEntry, node, *, profile: str | None = None, accel
         if level >= recovery.DEGRADED:
             config = profiles.degraded(kind, config, read_model(path), on_gpu=accelerator is not None,
                                        shards=1 + len(shards))
+    node_path, transfers = transfer.plan(entry, node, path)  # the files its node lacks, fetched before it starts
     return DeployRequest(
         name=serves_as or entry.name, model_path=str(path), node=node,
         engine=kind, task=entry.task, config=config, accelerator=accelerator,
         owner=entry.owner, priority=int(chosen.get("priority") or 50), another_replica=another_replica,
-        waits_for=tuple(waits_for), shards=tuple(shards), profile=chosen.get("name") or "")
+        waits_for=tuple(waits_for), shards=tuple(shards), profile=chosen.get("name") or "",
+        node_path=node_path, transfers=tuple(transfers))
 
 
 def snapshot(waiting: Mapping[str, int] | None = None, *, batch_waiting: Mapping[str, int] | None = None,

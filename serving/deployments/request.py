@@ -37,6 +37,9 @@ class DeployRequest:
     # Replicas stopped to make room for this one (preemption): it starts once they have stopped.
     waits_for: tuple[str, ...] = ()
     profile: str = ""  # the catalog profile it runs ("" when deployed by hand)
+    # Where its node finds the model, and the mirror's files it fetches first (serving.catalog.transfer).
+    node_path: str = ""
+    transfers: tuple[dict, ...] = ()
 
     @property
     def accelerators(self) -> tuple[Accelerator, ...]:
@@ -48,7 +51,8 @@ class DeployRequest:
                 "runtime": self.runtime, "task": self.task, "config": self.config,
                 "accelerators": [a.uuid for a in self.accelerators], "owner": self.owner.pk if self.owner else None,
                 "priority": self.priority, "cores": self.cores, "another_replica": self.another_replica,
-                "waits_for": list(self.waits_for), "profile": self.profile}
+                "waits_for": list(self.waits_for), "profile": self.profile, "node_path": self.node_path,
+                "transfers": list(self.transfers)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DeployRequest:
@@ -68,7 +72,8 @@ class DeployRequest:
                    accelerator=accelerators[0] if accelerators else None, shards=tuple(accelerators[1:]),
                    owner=owner, priority=data.get("priority", 50), cores=data.get("cores"),
                    another_replica=bool(data.get("another_replica")), waits_for=tuple(data.get("waits_for") or ()),
-                   profile=data.get("profile") or "")
+                   profile=data.get("profile") or "", node_path=data.get("node_path") or "",
+                   transfers=tuple(data.get("transfers") or ()))
 
     @classmethod
     def of(cls, deployment: Deployment, **changes) -> DeployRequest:
@@ -80,6 +85,9 @@ class DeployRequest:
                       config=dict(deployment.config), accelerator=accelerators[0] if accelerators else None,
                       shards=tuple(accelerators[1:]), owner=deployment.owner, priority=deployment.priority,
                       cores=deployment.cores, profile=deployment.profile)
+        if "model_path" not in changes:  # the same files: its node's copy of them too
+            request = dataclasses.replace(request, node_path=deployment.node_path,
+                                          transfers=tuple(deployment.transfers or ()))
         return dataclasses.replace(request, **changes)
 
 

@@ -140,7 +140,8 @@ def deploy(actor: Actor, request: DeployRequest) -> Deployment:
                 node=request.node,
                 gpu_uuids=[a.uuid for a in request.accelerators], owner=request.owner,
                 priority=request.priority, cores=request.cores, memory_reserved_bytes=reserve_bytes,
-                estimate=result.estimate.as_dict(), created_by=actor.user)
+                estimate=result.estimate.as_dict(), node_path=request.node_path, transfers=list(request.transfers),
+                created_by=actor.user)
             _place(actor, deployment, accelerators_of(deployment), result.device, waits_for=request.waits_for)
             _changed(actor)
             audit.record(actor, "deployment.create", deployment, scope=request.owner, details={

@@ -45,6 +45,12 @@ class Deployment(models.Model):
     cores = models.PositiveSmallIntegerField(null=True, blank=True)
     memory_reserved_bytes = models.BigIntegerField(null=True, blank=True)
     estimate = models.JSONField(default=dict, blank=True, help_text="The estimate's breakdown at deploy time.")
+    # A node that does not hold the catalog's files fetches them into its own model root first
+    # (``serving.node.weights``): where the engine finds ``model_path`` there, and what to fetch.
+    node_path = models.CharField(max_length=1024, blank=True,
+                                 help_text="Where the engine finds the model on its node; empty: at model_path.")
+    transfers = models.JSONField(default=list, blank=True,
+                                 help_text="[{file, to, size, sha256}]: the mirror's files its node fetches first.")
     state = models.CharField(max_length=12, choices=State.choices, default=State.PLANNED, db_index=True)
     state_detail = models.TextField(blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
@@ -57,6 +63,11 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.get_engine_display()} on {self.node_id and self.node.name})"
+
+    @property
+    def path_on_node(self) -> str:
+        """Where its engine finds the model on its node: its own copy, or the catalog's path itself."""
+        return self.node_path or self.model_path
 
 
 class Replica(models.Model):

@@ -79,7 +79,7 @@ def calibrate(replica: Replica, peak: int | None, gpu: LoadMemory | None = None)
         log.info("no calibration record for %s: it loaded a draft model too", replica)
         return
     try:
-        shape = read_model(deployment.model_path)
+        shape = read_model(deployment.path_on_node)
         config, device, accelerator = _launch(deployment)
         if device == "cpu":
             measured, how, why = peak, CalibrationRecord.Measurement.PEAK_RSS, "its peak resident memory was not read"
@@ -117,7 +117,7 @@ def _record_oom(replica: Replica, exit: Exit) -> None:
     if deployment.config.get("draft_model"):
         return  # two models' memory: not evidence about either one's estimate (the ladder still counts it)
     try:
-        shape = read_model(deployment.model_path)
+        shape = read_model(deployment.path_on_node)
         config, device, _accelerator = _launch(deployment)  # keyed as its estimates are, so they meet
         source = "docker" if "docker" in (exit.oom_evidence or "").lower() else "kernel"
         memory.record_failure(shape, deployment.engine, _engine_version(replica), config, device,

@@ -28,7 +28,7 @@ from serving.engines.registry import engine_for
 from serving.keys import replica_key
 from serving.models import DeploymentEvent, DeploymentState as S, Replica
 from serving.models.states import BEFORE_START, STARTING_UP, TERMINAL
-from serving.node import failures
+from serving.node import failures, weights
 from serving.node.discovery import device_memory, meminfo
 from serving.node.runtime import base_url, handle_of, launch_spec, runtime_for
 from serving.runtimes.base import Handle
@@ -40,7 +40,13 @@ DRAIN_POLL_SECONDS = 0.5  # the gateways report their load every 2 s
 
 def start_replica(replica_id: str) -> None:
     replica = Replica.objects.select_related("deployment", "node").filter(public_id=replica_id).first()
-    if replica is None or not gate.claim(replica):
+    if replica is None or replica.state not in BEFORE_START:
+        return
+    # The weights this node lacks first, before a start-up slot is taken: a long transfer must not
+    # hold the node's other starts back.
+    if replica.deployment.transfers and not weights.ensure(replica):
+        return
+    if not gate.claim(replica):
         return
     try:
         _start(replica)

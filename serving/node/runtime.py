@@ -36,7 +36,7 @@ def launch_spec(replica: Replica) -> LaunchSpec:
     accelerator = Accelerator.objects.filter(uuid__in=deployment.gpu_uuids).first() if deployment.gpu_uuids else None
     limit = deployment.memory_reserved_bytes
     return LaunchSpec(
-        replica_id=str(replica.public_id), engine=deployment.engine, model_path=deployment.model_path,
+        replica_id=str(replica.public_id), engine=deployment.engine, model_path=deployment.path_on_node,
         served_name=deployment.name, host="127.0.0.1" if node.address in ("127.0.0.1", "localhost") else node.address,
         port=replica.port, api_key=replica_key(replica.public_id), config=deployment.config, cores=deployment.cores,
         # The container limit leaves a quarter above the estimate: the estimate is what we plan

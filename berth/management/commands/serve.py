@@ -1,4 +1,5 @@
 import http.client
+import os
 import sys
 import urllib.request
 
@@ -49,6 +50,8 @@ class Command(BaseCommand):
 
         shown_host = f"[{host}]" if ":" in host else host
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown_host}:{port}/"
+        # The agent it runs fetches the mirror's weights from this web server (serving.node.weights).
+        os.environ.setdefault("BERTH_CONTROL_URL", url.rstrip("/"))
         supervisor = Supervisor(programs, out=self.stdout)
         supervisor.run(on_tick=Announcer(url, supervisor.write, self.style))
 
