@@ -392,4 +392,5 @@ SCHEDULER_PARK_AFTER = env.integer("BERTH_SCHEDULER_PARK_AFTER", 5, minimum=1, m
 SCHEDULER_STARVED_AFTER_SECONDS = env.integer("BERTH_SCHEDULER_STARVED_AFTER_SECONDS", 30, minimum=0, maximum=3600)
 # A replica that can sleep (vLLM) is put to sleep rather than stopped when room is made or it goes
 # idle, if its model was asked for within this long; asleep this long unasked, it is stopped.
-SCHEDULER_SLEEP_WINDOW_SECONDS = env.integer("BERTH_SCHEDULER_SLEEP_WINDOW_SECONDS", 3600, minimum=0, maximum=7 * 86_400)
+SCHEDULER_SLEEP_WINDOW_SECONDS = env.integer("BERTH_SCHEDULER_SLEEP_WINDOW_SECONDS", 3600, minimum=0,
+                                             maximum=7 * 86_400)

@@ -298,4 +298,5 @@ def _reconcile(waiting: Mapping[str, int] | None, batch_waiting: Mapping[str, in
             launched.append(launch.model)
         except BerthError as error:  # the next pass sees why (the node changed since the snapshot)
             log.warning("could not launch %s on %s: %s", launch.model, node.name, error.message)
-    return {"launched": launched, "evicted": evicted, "unschedulable": unschedulable, **({"woken": woken} if woken else {})}
+    done = {"launched": launched, "evicted": evicted, "unschedulable": unschedulable}
+    return {**done, "woken": woken} if woken else done

@@ -20,7 +20,8 @@ VERBS = ("start", "stop", "sleep", "wake", "reconfigure", "remove")
 
 def can_sleep(deployment: Deployment) -> bool:
     """Whether its engine can sleep and wake (vLLM started with sleep mode, its default)."""
-    return deployment.engine == Deployment.Engine.VLLM and bool((deployment.config or {}).get("enable_sleep_mode", True))
+    sleep_mode = (deployment.config or {}).get("enable_sleep_mode", True)
+    return deployment.engine == Deployment.Engine.VLLM and bool(sleep_mode)
 
 
 def _stops(state: str) -> bool:

@@ -6,7 +6,9 @@ import dataclasses
 
 from hypothesis import given, strategies as st
 
-from scheduler.policy.inputs import GIB, AcceleratorInfo, DesiredModel, NodeInfo, Profile, ReplicaInfo, Scaling, Snapshot
+from scheduler.policy.inputs import (
+    GIB, AcceleratorInfo, DesiredModel, NodeInfo, Profile, ReplicaInfo, Scaling, Snapshot,
+)
 from scheduler.policy.plan import MOVED, NOT_PLACED_HERE, apply, leaving_replicas, schedule
 from scheduler.policy.residency import desired_count
 from tests.scheduler.test_policy_properties import PROPS, snapshots
@@ -164,7 +166,8 @@ def test_a_leaving_replica_stops_only_when_enough_ready_replicas_stay_and_nothin
     # Every leaving replica of a catalog model is accounted for: stopping, waiting or blocked.
     assert {m.replica for m in plan.moves} == set(leaving) - (gone - {m.replica for m in plan.moves})
     for restarting in {m.id for m in snap.models if m.restart_before is not None}:
-        assert sum(1 for r, why in leaving.items() if why == "restart" and r in {x.id for x in by_model.get(restarting, ())}) <= 1
+        mine = {x.id for x in by_model.get(restarting, ())}
+        assert sum(1 for r, why in leaving.items() if why == "restart" and r in mine) <= 1  # one at a time
     # And applying it converges, as every plan does.
     after = apply(snap, plan)
     again = schedule(after)

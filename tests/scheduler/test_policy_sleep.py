@@ -54,7 +54,8 @@ def test_a_replica_that_cannot_sleep_or_was_not_asked_for_lately_is_stopped():
 
 def test_no_room_in_host_memory_for_its_weights_means_it_is_stopped():
     recent = model("m", last_requested_at=NOW - 1200)
-    plan = schedule(Snapshot(NOW, (gpu_node(ram=8),), (recent,), (replica("r", "m", host=16, last_used_at=NOW - 1200),)))
+    resident = replica("r", "m", host=16, last_used_at=NOW - 1200)
+    plan = schedule(Snapshot(NOW, (gpu_node(ram=8),), (recent,), (resident,)))
     assert [e.sleep for e in plan.evictions] == [False]
 
 
@@ -105,7 +106,8 @@ def test_a_sleeping_replica_holds_host_memory_not_device_memory():
     asleep = replica("r", "m", state="sleeping", ready_since=None, host=200)
     cpu_model = DesiredModel("c", (Profile("cpu", "vllm", 0, 100 * G, cpu_cores=2),), Scaling(min=1))
     gpu_model = model("g", gib=70, count=1)
-    snap = Snapshot(NOW, (gpu_node(ram=256),), (model("m", last_requested_at=NOW - 60), cpu_model, gpu_model), (asleep,))
+    wanted = (model("m", last_requested_at=NOW - 60), cpu_model, gpu_model)
+    snap = Snapshot(NOW, (gpu_node(ram=256),), wanted, (asleep,))
     plan = schedule(snap)
     assert [l.model for l in plan.launches] == ["g"]  # its GPU is free while it sleeps
     assert [u.model for u in plan.unschedulable] == ["c"]  # 200 of 256 GiB of RAM hold its weights
@@ -130,8 +132,8 @@ def with_sleepers(draw):
             if draw(st.booleans()):
                 r = dataclasses.replace(r, state="sleeping", ready_since=None, active_requests=0)
         replicas.append(r)
-    models = tuple(dataclasses.replace(m, last_requested_at=draw(st.sampled_from([None, snap.now - 60, snap.now - 9000])))
-                   for m in snap.models)
+    moments = st.sampled_from([None, snap.now - 60, snap.now - 9000])
+    models = tuple(dataclasses.replace(m, last_requested_at=draw(moments)) for m in snap.models)
     return dataclasses.replace(snap, replicas=tuple(replicas), models=models)
 
 

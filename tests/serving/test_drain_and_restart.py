@@ -49,7 +49,8 @@ def fleet_of_two(tmp_path, settings, tiny_model, monkeypatch, personas):
     settings.SCHEDULER_MODEL_ROOTS = [root.resolve()]
     nodes = [register_node(dataclasses.replace(local_node_report(), name=name)) for name in ("node-a", "node-b")]
     sent = []
-    monkeypatch.setattr(queues, "to_node", lambda operation, replica: sent.append((operation, replica.node.name, replica.pk)))
+    monkeypatch.setattr(queues, "to_node",
+                        lambda operation, replica: sent.append((operation, replica.node.name, replica.pk)))
     entry = import_local(ADMIN, shutil.copy(tiny_model, tmp_path / "t.gguf"), name="moved",
                          owner=personas.acme.project)
     ModelEntry.objects.filter(pk=entry.pk).update(scaling_min=1, scaling_max=1,
