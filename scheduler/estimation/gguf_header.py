@@ -30,7 +30,7 @@ _SCALAR = {
 _SIZE = {kind: struct.calcsize(fmt) for kind, fmt in _SCALAR.items()}
 # Arrays we keep (per-layer head counts, window patterns); every other array is skipped.
 _KEEP_ARRAY_SUFFIXES = ("attention.head_count_kv", "attention.head_count", "attention.sliding_window_pattern",
-                        "feed_forward_length")
+                        "feed_forward_length")  # expert_feed_forward_length too
 
 
 class _Cursor:
@@ -74,8 +74,8 @@ class _Cursor:
         return self.scalar(kind)
 
 
-def read_metadata(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int, int]], int]:
-    """(metadata, [(tensor name, element count, type, data offset)], file size). The metadata also
+def read_metadata(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int, int, tuple[int, ...]]], int]:
+    """(metadata, [(tensor name, element count, type, data offset, dims)], file size). The metadata also
     holds ``_data_start``: where the tensor data begins (the header's end, aligned to
     ``general.alignment``); each tensor's offset counts from there. A header alone (a file cut
     short, the hub's header prefix) reads: whether the data is all there is ``data_end``'s to say."""
@@ -113,7 +113,7 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int,
                     elements = 1
                     for dim in dims:
                         elements *= dim
-                    tensors.append((name, elements, kind, offset))
+                    tensors.append((name, elements, kind, offset, tuple(dims)))
                 alignment = metadata.get("general.alignment")
                 if not isinstance(alignment, int) or alignment <= 0:
                     alignment = gguf.GGUF_DEFAULT_ALIGNMENT
@@ -134,12 +134,19 @@ def tensor_bytes(elements: int, kind: int) -> int:
     return elements // block * type_size
 
 
-def data_end(metadata: dict[str, Any], tensors: list[tuple[str, int, int, int]]) -> int:
+def _type_name(kind: int) -> str:
+    try:
+        return gguf.GGMLQuantizationType(kind).name
+    except ValueError:
+        return str(kind)
+
+
+def data_end(metadata: dict[str, Any], tensors: list[tuple[str, int, int, int, tuple[int, ...]]]) -> int:
     """The byte at which the tensor data ends: the furthest tensor's offset plus its size, from
     the data's start. A file shorter than this was cut short (a copy or download interrupted):
     its header reads, llama.cpp refuses to load it."""
     return metadata["_data_start"] + max((offset + tensor_bytes(elements, kind)
-                                          for _, elements, kind, offset in tensors), default=0)
+                                          for _, elements, kind, offset, _ in tensors), default=0)
 
 
 def read_shape(path: str | Path) -> ModelShape:
@@ -190,30 +197,55 @@ def _read_shape_cached(path: str, size: int, mtime_ns: int) -> ModelShape:
 
     per_layer = [0] * layers
     input_bytes = output_bytes = total = 0
-    for name, elements, kind, _ in tensors:
+    matrices: dict[tuple[int, str], int] = {}
+    layout = []  # (data offset, block index or -1 for the output head or -2, type, bytes, multiplied)
+    embeddings = None  # (type, bytes, rows) of token_embd.weight: the output head when none is written
+    has_head = False
+    for name, elements, kind, offset, dims in tensors:
         size_of = tensor_bytes(elements, kind)
         total += size_of
+        index = None
         if name.startswith("blk."):
             index = int(name.split(".")[1])
             if index < layers:
                 per_layer[index] += size_of
         elif name.startswith("token_embd"):
             input_bytes += size_of
+            if name == "token_embd.weight" and len(dims) == 2:
+                embeddings = (_type_name(kind), size_of, dims[1])
         else:
             output_bytes += size_of
+            if name == "output.weight":
+                index, has_head = -1, True
+        # What llama.cpp multiplies by: 2-D weights (3-D stacked experts), not norms or embeddings.
+        multiplied = (index is not None and name.endswith(".weight") and len(dims) in (2, 3) and dims[1] % 8 == 0
+                      and "norm" not in name)
+        if multiplied:
+            type_key = (index, _type_name(kind))
+            matrices[type_key] = matrices.get(type_key, 0) + size_of
+        layout.append((offset, -2 if index is None else index, _type_name(kind), size_of, multiplied))
+    if not has_head and embeddings is not None and embeddings[2] % 8 == 0:
+        matrices[(-1, embeddings[0])] = matrices.get((-1, embeddings[0]), 0) + embeddings[1]
     file_type = metadata.get("general.file_type")
     try:
         weight_type = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else ""
     except ValueError:
         weight_type = str(file_type)
     name = metadata.get("general.name") or Path(path).stem
+    expert_ff = key("expert_feed_forward_length")
     return ModelShape(
         source="gguf", architecture=arch, name=str(name), layers=layers, embedding=embedding,
         heads=max_heads, kv_heads=kv_heads, key_length=key_length, value_length=value_length,
         context_length=key("context_length"), vocab_size=vocab if isinstance(vocab, int) else None,
         feed_forward=max(ff) if isinstance(ff, list) else ff, weights_bytes=total,
         layer_weights_bytes=tuple(per_layer), input_weights_bytes=input_bytes, output_weights_bytes=output_bytes,
-        file_bytes=size, data_end_bytes=data_end(metadata, tensors), weight_type=weight_type, sliding_window=window, sliding_window_layers=swa_layers,
+        file_bytes=size, data_end_bytes=data_end(metadata, tensors), weight_type=weight_type,
+        sliding_window=window, sliding_window_layers=swa_layers,
+        sliding_window_pattern=tuple(bool(p) for p in pattern) if isinstance(pattern, list) else pattern,
+        experts=key("expert_count") or 0, experts_used=key("expert_used_count") or 0,
+        expert_feed_forward=max(expert_ff) if isinstance(expert_ff, list) else expert_ff,
+        matrix_weights=tuple((index, kind, size_of) for (index, kind), size_of in sorted(matrices.items())),
+        tensor_layout=tuple(entry[1:] for entry in sorted(layout)),
         kv_lora_rank=key("attention.kv_lora_rank"), rope_head_dim=key("rope.dimension_count"),
         model_key=f"gguf:{Path(path).name}:{size}:{metadata['_fingerprint']}",
     )

@@ -27,6 +27,19 @@ class ModelShape:
     weight_type: str = ""  # "Q4_1", "F16", "BF16", ...
     sliding_window: int | None = None
     sliding_window_layers: int = 0  # how many layers attend only within the window
+    # The pattern as the GGUF header gives it (every n-th layer global, or per-layer flags: True
+    # slides); None when absent, where llama.cpp applies its per-architecture default.
+    sliding_window_pattern: int | tuple[bool, ...] | None = None
+    experts: int = 0  # mixture of experts: experts per MoE layer (every one of them is in the weights)
+    experts_used: int = 0  # routed per token
+    expert_feed_forward: int | None = None  # per expert, where the header gives it apart
+    # GGUF: the weight matrices a CPU backend may repack for its kernels (multiplied, 2-D or stacked
+    # experts, rows a multiple of 8): (block index, or -1 for the output head; GGML type; bytes),
+    # summed by block and type. A head tied to the token embeddings is listed as the head.
+    matrix_weights: tuple[tuple[int, str, int], ...] = ()
+    # GGUF: every tensor in the order of the file's data: (block index, -1 for the output head, -2
+    # for the rest; GGML type; bytes; whether it is one of the matrices above).
+    tensor_layout: tuple[tuple[int, str, int, bool], ...] = ()
     kv_lora_rank: int | None = None  # MLA (DeepSeek V2/V3): the cache holds a compressed latent
     rope_head_dim: int | None = None
     dtype_bytes: float = 2.0  # of the unquantised weights/activations (vLLM "auto" KV dtype)
