@@ -144,6 +144,13 @@ class LlamaCpp:
             argv += ["-t", str(spec.cores)]
         if supports_flag(binary, "--no-webui"):
             argv.append("--no-webui")  # an engine is an API behind the gateway, not a chat page
+        # Bounded to what the estimate counts (scheduler.estimation.engines, LlamaCppConfig): no
+        # prompt cache in host memory (up to 8 GiB by default, grown request by request) and two
+        # sliding-window checkpoints per slot (32 by default). Extra flags come later and win.
+        if supports_flag(binary, "--cache-ram"):
+            argv += ["--cache-ram", "0"]
+        if supports_flag(binary, "--ctx-checkpoints"):
+            argv += ["--ctx-checkpoints", "2"]
         if config["embeddings"]:
             argv += ["--embeddings", "--pooling", config["pooling"] or "mean"]
         if config["reranking"]:

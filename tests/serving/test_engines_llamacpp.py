@@ -35,6 +35,8 @@ def test_command_line_carries_model_address_alias_context_and_threads(engine, la
     assert flag_value(argv, "-t") == "3"
     assert "--metrics" in argv
     assert "--no-webui" in argv  # this llama-server knows the flag (checked with --help)
+    # Its memory bounded to what the estimate counts: no prompt cache, two window checkpoints a slot.
+    assert flag_value(argv, "--cache-ram") == "0" and flag_value(argv, "--ctx-checkpoints") == "2"
     assert command.image == IMAGE
 
 
