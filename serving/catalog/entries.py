@@ -110,7 +110,8 @@ def register_fetched(job: FetchJob) -> ModelEntry:
     return entry
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """A file's SHA-256, read a MiB at a time (the mirror's files run to tens of GiB)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 20):
@@ -152,7 +153,7 @@ def _import_files(actor: Actor, files: list[Path], base: Path, destination: Path
     with transaction.atomic():
         entry = save_entry(actor, fields, owner=owner, entry=existing)
         for repo_path, path in recorded:
-            digest = _sha256(path)
+            digest = file_sha256(path)
             ModelFile.objects.update_or_create(node=None, path=str(path), defaults={
                 "model": entry, "repo_path": repo_path, "size": path.stat().st_size, "sha256": digest,
                 "expected_sha256": digest, "verified": True, "quarantined": False})

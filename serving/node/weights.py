@@ -14,7 +14,6 @@ events, about every tenth of the way.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
@@ -26,6 +25,7 @@ from django.db.models import Q
 
 from berth.errors import BerthError
 from serving.catalog import transfer
+from serving.catalog.entries import file_sha256
 from serving.models import DeploymentEvent, ModelFile, Replica
 from serving.models.states import SERVING
 from serving.node import failures
@@ -86,16 +86,16 @@ def _fetch(replica: Replica, move: dict) -> None:
         if _have(replica, move):  # another start fetched it meanwhile
             partial.unlink(missing_ok=True)
             return
-        if to.is_file() and to.stat().st_size == move["size"] and _sha256(to) == move["sha256"]:
+        if to.is_file() and to.stat().st_size == move["size"] and file_sha256(to) == move["sha256"]:
             _record(replica, move, to)  # already here (a copy made before it was recorded): only checked
             partial.unlink(missing_ok=True)
             return
         _room_for(replica, to.parent, move["size"] - partial.stat().st_size)
         _download(replica, move, partial)
-        found = _sha256(partial)
+        found = file_sha256(partial)
         if found != move["sha256"]:
             partial.unlink(missing_ok=True)
-            _quarantine(replica, move, to, found)
+            _record(replica, move, to, found)
             raise TransferFailed(f"{move['repo_path'] or to.name} arrived with SHA-256 {found[:12]}…, not the "
                                  f"catalog's {move['sha256'][:12]}…; the copy is quarantined and the replica does "
                                  "not start")
@@ -135,28 +135,15 @@ def _download(replica: Replica, move: dict, partial: Path) -> None:
                              f"({error}); what arrived is kept and the next start resumes it") from error
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _record(replica: Replica, move: dict, to: Path) -> None:
+def _record(replica: Replica, move: dict, to: Path, found: str | None = None) -> None:
+    """The node's copy as it arrived: verified, or (``found``, another SHA-256) quarantined with why."""
     source = ModelFile.objects.filter(public_id=move["file"]).first()
+    bad = found is not None and found != move["sha256"]
     ModelFile.objects.update_or_create(node=replica.node, path=str(to), defaults={
         "model": source.model if source else None, "repo_path": move["repo_path"], "size": move["size"],
-        "sha256": move["sha256"], "expected_sha256": move["sha256"], "verified": True, "quarantined": False,
-        "quarantine_reason": ""})
-
-
-def _quarantine(replica: Replica, move: dict, to: Path, found: str) -> None:
-    source = ModelFile.objects.filter(public_id=move["file"]).first()
-    ModelFile.objects.update_or_create(node=replica.node, path=str(to), defaults={
-        "model": source.model if source else None, "repo_path": move["repo_path"], "size": move["size"],
-        "sha256": found, "expected_sha256": move["sha256"], "verified": False, "quarantined": True,
-        "quarantine_reason": f"its transfer to {replica.node.name} arrived with SHA-256 {found}, not {move['sha256']}"})
+        "sha256": found or move["sha256"], "expected_sha256": move["sha256"], "verified": not bad, "quarantined": bad,
+        "quarantine_reason": f"its transfer to {replica.node.name} arrived with SHA-256 {found}, not {move['sha256']}"
+        if bad else ""})
 
 
 def _room_for(replica: Replica, where: Path, need: int) -> None:
