@@ -2,7 +2,7 @@ from django.urls import reverse
 
 from scheduler import reach
 from scheduler.models import Node
-from serving.node.watchdog import levels
+from serving.control.watchdog import levels
 
 # The console's areas, one per app in the order a request flows down through them, after the
 # dashboard. Each has its sections: (label, URL name, fragment, the other URL names that belong to

@@ -226,6 +226,7 @@ CELERY_BEAT_SCHEDULE = {
     "gateway: write usage parked while the database refused it": {"task": "gateway.retry_usage", "schedule": 60.0},
     "gateway: batches without a live worker, expired windows, files past retention": {
         "task": "gateway.sweep_batches", "schedule": 10.0},
+    "serving: return expired node job leases": {"task": "serving.expire_node_leases", "schedule": 10.0},
 }
 # Backups (berth/backup.py): where `manage.py backup` writes its archives and how many of the newest it
 # keeps; with a directory set, beat takes one a day.
@@ -240,6 +241,10 @@ CELERY_TIMEZONE = TIME_ZONE
 ENGINE_CACHE_DIR = env.path("BERTH_ENGINE_CACHE", Path.home() / ".cache" / "berth" / "engines", BASE_DIR)
 NODE_NAME = env.string("BERTH_NODE_NAME")  # defaults to the host name
 NODE_ADDRESS = env.string("BERTH_NODE_ADDRESS", "127.0.0.1")
+# The node's own credential (manage.py agent keeps it there, mode 0600) and the CA certificates an
+# https control plane is verified with (empty: the system's).
+NODE_CREDENTIAL_FILE = env.path("BERTH_NODE_CREDENTIAL_FILE", DATA_DIR / "node" / "credential", BASE_DIR)
+NODE_CA_FILE = env.string("BERTH_NODE_CA_FILE")
 
 LOG_LEVEL = env.string("BERTH_LOG_LEVEL", "INFO").upper()
 if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
@@ -284,6 +289,9 @@ SERVING_WEIGHTS_LINK_SECONDS = env.integer("BERTH_WEIGHTS_LINK_SECONDS", 3600, m
 # A stopping replica's requests in flight (as the gateways report them) may finish for this long.
 SERVING_DRAIN_SECONDS = env.integer("BERTH_DRAIN_SECONDS", 30, minimum=0, maximum=3600)
 SERVING_HEARTBEAT_SECONDS = env.integer("BERTH_HEARTBEAT_SECONDS", 5, minimum=1, maximum=300)
+# A node holds a job it claimed this long unless it extends the lease (serving.control.node_jobs);
+# a lease that runs out returns the job to the queue.
+SERVING_NODE_LEASE_SECONDS = env.integer("BERTH_NODE_LEASE_SECONDS", 30, minimum=1, maximum=3600)
 # At critical memory the watchdog warns (a logged, audited level change and the console's banner,
 # and a warning naming what it would stop); with this on it also stops the least important deployment
 # rather than let the kernel's OOM killer choose. Off by default: stopping a model is an operator's call.

@@ -15,6 +15,8 @@ api_patterns = [
     path("scheduler/", include("scheduler.api.urls")),
     path("tenancy/", include("tenancy.api.urls")),
     path("serving/", include("serving.api.urls")),
+    path("node/", include("scheduler.api.node_urls")),
+    path("node/", include("serving.api.node_urls")),
 ]
 
 urlpatterns = [

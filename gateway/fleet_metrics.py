@@ -23,7 +23,7 @@ from scheduler.models import Accelerator, MemoryReservation, Node, PlacementDeci
 from scheduler.snapshot import contracts_from_tenancy
 from serving import load
 from serving.models import DeploymentState as S, ModelEntry, Replica
-from serving.node import watchdog
+from serving.control import watchdog
 from tenancy.models import Reservation
 from tenancy.services.contracts import CAPACITY
 

@@ -1,4 +1,4 @@
-from berth.errors import Conflict, InvalidInput, NotFound, PermissionDenied
+from berth.errors import Conflict, InvalidInput, NotAuthenticated, NotFound, PermissionDenied
 
 
 class InvalidNodeReport(InvalidInput):
@@ -70,3 +70,63 @@ class ModelNotParked(NotFound):
     """A retry asked for a model that has no failure memory, or is not parked."""
 
     code = "model_not_parked"
+
+
+class NodeNotFound(NotFound):
+    code = "node_not_found"
+
+
+# --- node trust: enrolment and the node's own credential (scheduler.enrolment) ---------------------
+
+class NodeTrustForStaff(PermissionDenied):
+    """Enrolment tokens, node credentials and revocations are the fleet operators' (staff's)."""
+
+    code = "node_trust_for_staff"
+
+
+class InvalidEnrolmentRequest(InvalidInput):
+    """A token asked for with an expiry out of bounds, or both a name and an existing node."""
+
+    code = "invalid_enrolment_request"
+
+
+class EnrolmentTokenInvalid(NotAuthenticated):
+    """Not an enrolment token (``bne_…``), or none Berth issued: never says which."""
+
+    code = "enrolment_token_invalid"
+
+
+class EnrolmentTokenExpired(NotAuthenticated):
+    code = "enrolment_token_expired"
+
+
+class EnrolmentTokenSpent(NotAuthenticated):
+    """The token was exchanged for a credential already: it works once."""
+
+    code = "enrolment_token_spent"
+
+
+class EnrolmentTokenUsed(Conflict):
+    """Withdrawing a token that was used already: there is nothing left to withdraw (revoke the node)."""
+
+    code = "enrolment_token_used"
+
+
+class NodeNameTaken(Conflict):
+    """A node of that name holds a credential (live or revoked), and the token is not one issued for it."""
+
+    code = "node_name_taken"
+
+
+class NodeCredentialInvalid(NotAuthenticated):
+    code = "node_credential_invalid"
+
+
+class NodeRevoked(NotAuthenticated):
+    code = "node_revoked"
+
+
+class NodeOwnershipMismatch(PermissionDenied):
+    """A node read or reported what belongs to another node (``scheduler.api.node_auth.refuse_foreign``)."""
+
+    code = "node_ownership_mismatch"

@@ -1,4 +1,4 @@
-"""Console forms of the scheduler: node actions and the estimate ("will this fit")."""
+"""Console forms of the scheduler: node actions, enrolment and the estimate ("will this fit")."""
 
 from django import forms
 
@@ -8,6 +8,18 @@ from scheduler.models import Accelerator, Node
 
 class NodeActionForm(forms.Form):
     reason = forms.CharField(required=False, max_length=500)
+
+
+class EnrolForm(forms.Form):
+    """An enrolment token: for a new node (its name, or blank: the agent says), or for a registered
+    node (a new credential: a node from before enrolment, or one revoked)."""
+
+    name = forms.CharField(required=False, max_length=253, help_text="Blank: the agent says its own name.")
+    existing = forms.ModelChoiceField(queryset=Node.objects.all(), required=False, to_field_name="name",
+                                      label="Registered node", empty_label="(a new node)",
+                                      help_text="Issue a new credential for this node instead.")
+    expires_minutes = forms.IntegerField(label="Expires after (minutes)", min_value=1, max_value=7 * 24 * 60,
+                                         initial=60)
 
 
 class NodeLabelsForm(forms.Form):

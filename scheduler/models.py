@@ -1,6 +1,7 @@
 import uuid
 
 from django.db import models
+from django.utils import timezone
 
 
 class Node(models.Model):
@@ -29,6 +30,14 @@ class Node(models.Model):
     gpu_note = models.TextField(blank=True, help_text="What discovery said, e.g. why no GPUs were found.")
     driver_version = models.CharField(max_length=64, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # The node's own credential (``scheduler.enrolment``): ``bnc_<lookup>_<secret>``, of which only the
+    # lookup and the secret's HMAC (with the key pepper, as API keys) are kept. No lookup: none issued.
+    credential_lookup = models.CharField(max_length=12, unique=True, null=True, blank=True, editable=False)
+    credential_digest = models.BinaryField(null=True, blank=True, editable=False)
+    credential_issued_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True,
+                                      help_text="Its credential was revoked: refused from then on, until another is "
+                                                "issued (an enrolment token for this node, or `nodes credential`).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -37,6 +46,48 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def credential_state(self) -> str:
+        """``none`` (never issued: a node from before enrolment), ``revoked`` or ``active``."""
+        if self.revoked_at is not None:
+            return "revoked"
+        return "active" if self.credential_lookup else "none"
+
+
+class EnrolmentToken(models.Model):
+    """A one-time, expiring token an agent exchanges for its node's credential (``scheduler.enrolment``).
+
+    ``bne_<lookup>_<secret>``: only the lookup and the secret's HMAC are kept; the plaintext is shown
+    once, to whoever issued it. ``node`` is set for a token issued for a registered node
+    (``nodes enrol --existing NAME``): the credential it gives is that node's. Otherwise ``name`` is
+    the node it enrols, or blank when the agent says its own.
+    """
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    lookup = models.CharField(max_length=12, unique=True, editable=False)
+    digest = models.BinaryField(editable=False)
+    name = models.CharField(max_length=253, blank=True, help_text="The node it enrols; blank: the agent says.")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, null=True, blank=True, related_name="enrolment_tokens",
+                             help_text="The registered node whose credential it issues (--existing).")
+    created_by = models.CharField(max_length=255, help_text="Who issued it (an actor, as the audit log writes it).")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+    used_by_node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        # Never the secret: this is what the audit log keeps as the object's name.
+        return f"enrolment token bne_{self.lookup}_… for {self.name or 'a node the agent names'}"
+
+    def state(self, now=None) -> str:
+        """``used``, ``expired`` or ``pending``."""
+        if self.used_at is not None:
+            return "used"
+        return "expired" if self.expires_at <= (now or timezone.now()) else "pending"
 
 
 class NodeEngine(models.Model):

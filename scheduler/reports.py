@@ -8,6 +8,9 @@ measured", never zero.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +68,38 @@ class HeldWeightReport:
 class ModelDirectoryReport:
     path: str
     weights: tuple[HeldWeightReport, ...] = ()
+
+
+def from_wire(cls, data: Any, where: str = ""):
+    """A report (``cls``, one of these frozen dataclasses or ``scheduler.services.NodeReport``) from
+    its JSON form, ``dataclasses.asdict``'s: nested reports and tuples of them included. A field of
+    the wrong type, or one the report does not have, raises ``ValueError`` naming it."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be an object")
+    hints = typing.get_type_hints(cls)
+    names = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where} has no field {unknown[0]!r}")
+    return cls(**{name: _value(hints[name], value, f"{where}.{name}") for name, value in data.items()})
+
+
+def _value(hint: Any, value: Any, where: str):
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [arg for arg in args if arg is not type(None)]
+        args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_wire(hint, value, where)
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} must be a list")
+        return tuple(_value(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"{where} must be {hint.__name__}")
+    return value

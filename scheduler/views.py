@@ -4,6 +4,7 @@ Views are declarations over the console's bases (``tenancy.console``); who sees 
 ``scheduler.reach``'s to say.
 """
 
+from typing import Callable
 from urllib.parse import urlsplit
 
 from django.contrib import messages
@@ -13,18 +14,20 @@ from django.db.models.functions import Coalesce
 from django.http import QueryDict
 from django.shortcuts import render
 from django.urls import reverse
+from django.utils.cache import add_never_cache_headers
 from django.views import View
 
 from berth.errors import BerthError, PermissionDenied
 from berth.htmx import render_page
-from scheduler import memory, placement_service, reach, recovery_service, services
+from scheduler import enrolment, memory, placement_service, reach, recovery_service, services
 from scheduler.filtersets import NodeFilterSet, PlacementDecisionFilterSet
-from scheduler.forms import EstimateForm, NodeActionForm, NodeLabelsForm
+from scheduler.forms import EnrolForm, EstimateForm, NodeActionForm, NodeLabelsForm
 from scheduler.models import (Accelerator, AcceleratorSample, MemoryReservation, ModelDirectory, Node, NodeSample,
                               PlacementDecision)
 from scheduler.presenting import estimate_payload
 from scheduler.tables import AcceleratorTable, NodeTable, ParkedModelTable, UnplaceableModelTable
-from tenancy.console import ConsolePage, ObjectAction, filtered
+from tenancy.audit import Actor
+from tenancy.console import ConsolePage, ObjectAction, first_error, filtered
 
 
 def _accelerators():
@@ -68,7 +71,17 @@ class FleetView(FleetMixin, ConsolePage):
         context["accelerators"] = AcceleratorTable(_accelerators().filter(node__in=nodes),
                                                    empty_message="No GPUs reported by these nodes.")
         context["can_estimate"] = reach.sees_everything(self.request.user)
+        context["can_enrol"] = context["can_estimate"]
         return context
+
+
+# What an app above the fleet adds to a node's page for staff: (title, the URL of a fragment for a node),
+# loaded with the page (Serving's: the node's recent jobs). The fleet names no app above it.
+NODE_SECTIONS: list[tuple[str, Callable[[Node], str]]] = []
+
+
+def register_node_section(title: str, url_of: Callable[[Node], str]) -> None:
+    NODE_SECTIONS.append((title, url_of))
 
 
 class NodeDetailView(FleetMixin, ConsolePage):
@@ -98,6 +111,7 @@ class NodeDetailView(FleetMixin, ConsolePage):
         context["can_act"] = reach.sees_everything(self.request.user)
         if sees_files:  # the moves name every tenant's models: staff only, as the files
             context["moves"] = placement_service.moves(node=node.name)
+            context["sections"] = [(title, url_of(node)) for title, url_of in NODE_SECTIONS]
         context["labels_text"] = "\n".join(f"{k}={v}" for k, v in sorted((node.labels or {}).items()))
         context["actions"] = [verb for verb, (allowed, _) in services._TRANSITIONS.items() if node.state in allowed]
         context["breadcrumbs"] = [(node.name, self.request.path)]  # after Fleet › Nodes (the navigation's)
@@ -121,6 +135,50 @@ class NodeActionView(StaffOnly, FleetMixin, ObjectAction):
 
     def success_url(self, node, result):
         return reverse("scheduler:node", kwargs={"public_id": node.public_id})
+
+
+class NodeRevokeView(StaffOnly, FleetMixin, ObjectAction):
+    """POST: revoke the node's credential (staff only): the node API refuses it from the next request."""
+
+    def perform(self, node, data):
+        node = enrolment.revoke(self.actor, node)
+        messages.success(self.request, f"{node.name}'s credential is revoked: its agent is refused from now on. "
+                                       f"Enrol it again with a token issued for it.")
+        return node
+
+    def success_url(self, node, result):
+        return reverse("scheduler:node", kwargs={"public_id": node.public_id})
+
+
+class EnrolView(LoginRequiredMixin, StaffOnly, View):
+    """Enrol a node (staff only): the form, and in the answer to its post the token, shown this once,
+    with the agent's command line. Nothing shows it again: the page is not cached, and no list has it."""
+
+    template_name = "scheduler/enrol.html"
+
+    def get(self, request):
+        initial = {"existing": request.GET.get("existing")} if request.GET.get("existing") else None
+        return self._page(EnrolForm(initial=initial))
+
+    def post(self, request):
+        form = EnrolForm(request.POST)
+        if not form.is_valid():
+            return self._page(form, error=first_error(form), status=400)
+        data = form.cleaned_data
+        try:
+            token, plaintext = enrolment.issue_token(Actor.from_request(request), name=data["name"],
+                                                     existing=data["existing"],
+                                                     ttl_seconds=data["expires_minutes"] * 60)
+        except BerthError as error:
+            return self._page(form, error=error.message, status=error.status)
+        server = request.build_absolute_uri("/").rstrip("/")
+        return self._page(None, token=token, plaintext=plaintext,
+                          command=f"manage.py agent --server {server} --token {plaintext}")
+
+    def _page(self, form, status=200, **context):
+        response = render(self.request, self.template_name, {"form": form, **context}, status=status)
+        add_never_cache_headers(response)  # a token page must not be kept by any cache
+        return response
 
 
 class NodeLabelsView(StaffOnly, FleetMixin, ObjectAction):

@@ -1,47 +1,82 @@
-"""Work handed to Celery workers, by task name: the names are the wire contract with the workers
-(a node's agent may run another release), and sending by name means no verb imports the tasks
-module that calls it back. ``serving.tasks`` registers a task under each of these names."""
+"""Work handed to Celery workers, by task name: the names are the wire contract with the workers,
+and sending by name means no verb imports the tasks module that calls it back. ``serving.tasks``
+registers a task under each of these names. Work for a node is a row its agent claims through the
+node API (``to_node``; what each kind means is ``serving.control.node_work``'s)."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import uuid
 
 from django.core.cache import cache
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from berth.celery import app
+from serving.models import NodeJob
 
 log = logging.getLogger(__name__)
 
 CONTROL = "control"  # the control worker: operations, fetch jobs, reconcile passes
 
-START_REPLICA = "serving.tasks.start_replica"
-STOP_REPLICA = "serving.tasks.stop_replica"
-SLEEP_REPLICA = "serving.tasks.sleep_replica"
-WAKE_REPLICA = "serving.tasks.wake_replica"
-WATCH_REPLICA = "serving.tasks.watch_replica"
 RUN_OPERATION = "serving.run_operation"
 RUN_FETCH_JOB = "serving.catalog.run_fetch_job"
 RECONCILE = "serving.reconcile"
 RECONCILE_SOON = "serving.reconcile_soon"
+EXPIRE_NODE_LEASES = "serving.expire_node_leases"
 
 # A change of desired state asks for a pass this soon; asks within it join the same pass.
 SOON_S = 0.5
 _SOON_KEY = "berth:reconcile:soon"
 _SOON_FORGOTTEN_S = 30  # a pass asked for that never ran (no control worker) stops muting later asks
 
-REPLICA_TASKS = {"start": START_REPLICA, "stop": STOP_REPLICA, "sleep": SLEEP_REPLICA, "wake": WAKE_REPLICA,
-                 "watch": WATCH_REPLICA}
+# How urgent each kind of node job is: maintenance (a stop, a sleep, a watch) never waits behind a
+# start, nor a start behind bulk work (fetching weights, probes).
+PRIORITIES = {"stop": NodeJob.MAINTENANCE, "sleep": NodeJob.MAINTENANCE, "watch": NodeJob.MAINTENANCE,
+              "start": NodeJob.LIFECYCLE, "wake": NodeJob.LIFECYCLE, "fetch_weights": NodeJob.BULK,
+              "probe": NodeJob.BULK}
+# Claims waiting in this process hear of a job queued by it at once; those of other processes find
+# it at their next look (``serving.control.node_jobs.POLL_SECONDS``).
+node_job_queued = threading.Condition()
 
 
-def node_queue(node_name: str) -> str:
-    """The queue the agent of ``node_name`` takes its work from."""
-    return f"node.{node_name}"
+def enqueue(node, kind: str, *, key: str, replica=None, payload: dict | None = None, priority: int | None = None,
+            available_at=None, max_attempts: int = 3) -> NodeJob:
+    """Queue a job of ``kind`` for ``node``; a job with ``key`` already (in any state) is returned as
+    it is. ``priority`` defaults to the kind's; ``available_at`` holds it back until then."""
+    existing = NodeJob.objects.filter(idempotency_key=key).first()
+    if existing is not None:
+        return existing
+    try:
+        with transaction.atomic():
+            job = NodeJob.objects.create(
+                node=node, kind=kind, idempotency_key=key, replica=replica, payload=payload or {},
+                priority=PRIORITIES.get(kind, NodeJob.BULK) if priority is None else priority,
+                available_at=available_at, max_attempts=max_attempts)
+    except IntegrityError:  # queued by another caller since we looked
+        existing = NodeJob.objects.filter(idempotency_key=key).first()
+        if existing is None:
+            raise
+        return existing
+    transaction.on_commit(_node_job_queued, robust=True)
+    return job
 
 
-def to_node(operation: str, replica) -> None:
-    """Hand an engine operation on ``replica`` (start, stop, sleep, wake, watch) to its node's agent."""
-    app.send_task(REPLICA_TASKS[operation], args=[str(replica.public_id)], queue=node_queue(replica.node.name))
+def _node_job_queued() -> None:
+    with node_job_queued:
+        node_job_queued.notify_all()
+
+
+def to_node(kind: str, replica, payload: dict | None = None):
+    """Queue a job of ``kind`` (start, stop, sleep, wake, watch) on ``replica``'s node. Without a
+    ``payload``, a second ask while one is open (queued or leased) adds nothing: that one is returned
+    (a duplicate that slips past this check is cancelled at its claim, which reads the replica again)."""
+    if not payload:
+        open_job = NodeJob.objects.filter(replica=replica, kind=kind, state__in=NodeJob.OPEN).first()
+        if open_job is not None:
+            return open_job
+    return enqueue(replica.node, kind, key=f"{kind}:{replica.public_id}:{uuid.uuid4().hex[:16]}", replica=replica,
+                   payload=payload)
 
 
 def to_control(task: str, *args) -> None:

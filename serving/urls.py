@@ -1,6 +1,6 @@
 from django.urls import path
 
-from serving.views import catalog as catalog_views, deployments as views
+from serving.views import catalog as catalog_views, deployments as views, node_jobs as node_job_views
 
 app_name = "serving"
 urlpatterns = [
@@ -19,4 +19,6 @@ urlpatterns = [
     path("fetch/", catalog_views.FetchView.as_view(), name="catalog-fetch"),
     path("serve/", catalog_views.ServeView.as_view(), name="catalog-serve"),
     path("jobs/<uuid:public_id>/", catalog_views.JobView.as_view(), name="catalog-job"),
+    # A node's recent jobs: a fragment the fleet's node page loads (staff only).
+    path("nodes/<uuid:public_id>/jobs/", node_job_views.NodeJobsView.as_view(), name="node-jobs"),
 ]

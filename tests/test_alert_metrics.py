@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from berth import backup, health
 from scheduler.models import Node, PlacementDecision
 from serving.models import ModelEntry
-from serving.node import watchdog
+from serving.control import watchdog
 from tests.gateway.conftest import GatewayProcess
 
 RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"

@@ -31,7 +31,7 @@ from scheduler.models import Accelerator, MemoryReservation, PlacementDecision, 
 from scheduler.services import NodeReport, register_node
 from serving.api.status import figures
 from serving.models import Deployment, DeploymentEvent, ModelEntry, Replica
-from serving.node import watchdog
+from serving.control import watchdog
 from tenancy.models import Membership
 from tenancy.services import approvals, contracts
 from tests.assets.world import build_world

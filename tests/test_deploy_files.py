@@ -261,3 +261,14 @@ def test_docs_shell_commands_name_programs_and_manage_py_commands_that_exist():
             assert (ROOT / argv[argv.index("-f") + 1]).is_file()
     for needed in ("backup", "restore", "doctor", "status", "migrate", "bootstrap", "engines"):
         assert any("manage.py" in argv and argv[argv.index("manage.py") + 1] == needed for _, argv in seen), needed
+
+
+def test_a_node_agent_is_given_nothing_of_the_cluster():
+    """The agent reaches the control plane through the node API with its own credential: no deploy file
+    hands it the database, Redis, the secret key or the pepper."""
+    cluster = {"DATABASE_URL", "REDIS_URL", "BERTH_SECRET_KEY", "BERTH_KEY_PEPPER"}
+    assert not cluster & set(env_file_names(DEPLOY / "agent.env.example"))
+    assert compose()["services"]["agent"]["env_file"] == ["agent.env"]
+    unit = (DEPLOY / "systemd" / "berth-agent.service").read_text()
+    files = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("EnvironmentFile=")]
+    assert files == ["/etc/berth/agent.env"]

@@ -20,12 +20,14 @@ from berth import health
 from berth.celery import app as celery_app
 from berth.management.commands import doctor
 from serving.runtimes.base import Handle
+from serving.node.client import Credential
 from tests.assets.database import database_environ
 
 pytestmark = pytest.mark.django_db
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ["database", "broker", "control_loop", "engines", "gpus", "model_roots", "clock_skew", "engine_listeners"]
+NAMES = ["database", "broker", "control_loop", "engines", "gpus", "model_roots", "clock_skew", "engine_listeners",
+         "node_credential"]
 
 
 def _doctor(*args) -> tuple[dict, bool]:
@@ -126,3 +128,32 @@ def test_doctor_as_a_subprocess_exits_non_zero_when_the_broker_is_down():
     assert list(checks) == NAMES
     assert checks["broker"]["verdict"] == "failed"
     assert checks["database"]["verdict"] == "ok"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_nodes_credential_is_checked_against_the_server_that_issued_it(settings, tmp_path, live_server):
+    from scheduler import enrolment
+    from scheduler.models import Node
+    from tenancy.audit import Actor
+    from tests.assets.agent import issue_credential
+
+    settings.NODE_CREDENTIAL_FILE = tmp_path / "credential"
+    missing = doctor.node_credential()
+    assert missing["verdict"] == "warning" and "manage.py agent --server" in missing["advice"]
+
+    issue_credential(settings.NODE_CREDENTIAL_FILE, live_server.url, "doctor-node")
+    found = doctor.node_credential()
+    assert found["verdict"] == "ok" and "doctor-node" in found["found"], found
+
+    settings.NODE_CREDENTIAL_FILE.chmod(0o644)
+    assert doctor.node_credential()["verdict"] == "failed"
+    settings.NODE_CREDENTIAL_FILE.chmod(0o600)
+
+    enrolment.revoke(Actor(system="tests"), Node.objects.get(name="doctor-node"))
+    refused = doctor.node_credential()
+    assert refused["verdict"] == "failed" and "node_revoked" in refused["found"], refused
+    assert "nodes enrol --existing doctor-node" in refused["advice"]
+
+    gone = Credential(server="http://127.0.0.1:9", node="doctor-node", credential="bnc_x")  # nothing listens on 9
+    gone.save(settings.NODE_CREDENTIAL_FILE)
+    assert doctor.node_credential()["verdict"] == "failed"

@@ -90,7 +90,7 @@ def berth(tmp_path, hub_repo, admin_user, journey_dir):
     try:
         wait_until(console_up, 120, what="serve announcing the console")
         wait_until(lambda: re.search(r"control@\S+ ready\.", log_path.read_text())
-                   and f"agent@{NODE} ready." in log_path.read_text(), 120, what="the worker and the agent ready")
+                   and f"agent of {NODE} ready: " in log_path.read_text(), 120, what="the worker and the agent ready")
         yield types.SimpleNamespace(url=url, log=log_path)
     finally:
         try:

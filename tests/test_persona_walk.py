@@ -69,6 +69,7 @@ def deploy_body(w):
     return {"name": "walk-model", "model_path": w.weights_path, "node": str(w.node.public_id), "owner": scope_of(w)}
 
 
+NODE_ONLY = {persona: frozenset({401}) for persona in PERSONAS}  # the node API: a node's credential only
 NOT_VISIBLE_TEAM = {"vera": HIDDEN}  # vera views the project only, not the team above it
 # The hub is another system (here a closed loopback port): whoever may use it gets its answer, or a 502/503
 # saying it is away.
@@ -139,6 +140,16 @@ CASES = {
     "scheduler_placement_headroom_create": Case("read", body=model_shape),
     "scheduler_placement_parked_retrieve": Case("list"),
     "scheduler_placement_parked_retry_create": Case("staff", "model_name"),
+    # Node trust is the operators': tokens that enrol a node, and revoking one.
+    "scheduler_nodes_revoke_create": Case("staff", "node"),
+    "scheduler_enrolment_tokens_list": Case("staff"),
+    "scheduler_enrolment_tokens_create": Case("staff", body=lambda w: {"name": "walk-node", "expires_minutes": 60}),
+    # Refused before any lookup (no persona is staff), so any id fills the path: the node's.
+    "scheduler_enrolment_tokens_destroy": Case("staff", "node"),
+    # --- the node API ---
+    # Enrolment takes a token and nothing else (no session, no key): one Berth never issued is refused alike.
+    "node_enrol_create": Case("fleet", body=lambda w: {"token": "bne_0123456789ab_" + "x" * 43, "name": "walk-node",
+                                                       "address": "127.0.0.1"}, expect=NODE_ONLY),
     # --- serving ---
     "serving_deployments_list": Case("list"),
     "serving_deployments_create": Case("use", body=deploy_body),
@@ -178,6 +189,18 @@ CASES = {
     "serving_hub_files_retrieve": Case("fleet", query=lambda w: {"repo": "walk/repo"}, expect=HUB_READ),
     # The fleet's figures for everyone; the models, replicas and failures in it are the caller's own.
     "serving_status_retrieve": Case("list"),
+    # The node API's leased jobs take a node's own credential, nobody else's: every persona is refused before
+    # any lookup (the id in the path is any of the world's; no job is reached).
+    "node_jobs_claim_create": Case("staff", body=lambda w: {"wait": 0}, expect=NODE_ONLY),
+    "node_self_retrieve": Case("staff", expect=NODE_ONLY),
+    "node_heartbeat_create": Case("staff", body=lambda w: {"report": {"name": "walk-node", "address": "127.0.0.1"}},
+                                  expect=NODE_ONLY),
+    "node_jobs_lease_create": Case("staff", "node", body=lambda w: {"lease": "bnl_walk"}, expect=NODE_ONLY),
+    "node_jobs_report_create": Case("staff", "node", body=lambda w: {"lease": "bnl_walk", "event": "say"},
+                                    expect=NODE_ONLY),
+    "node_jobs_complete_create": Case("staff", "node", body=lambda w: {"lease": "bnl_walk"}, expect=NODE_ONLY),
+    "node_jobs_fail_create": Case("staff", "node", body=lambda w: {"lease": "bnl_walk", "error": "walk"},
+                                  expect=NODE_ONLY),
     # --- gateway ---
     "gateway_batches_list": Case("list"),
     "gateway_batches_retrieve": Case("read", "batch"),

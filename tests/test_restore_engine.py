@@ -77,10 +77,10 @@ def _running(pid: int) -> bool:
 
 
 def test_a_restored_database_adopts_the_running_engine_and_serves_keys_made_before_the_backup(
-        process_runtime, node, model_root, smollm2_model, tmp_path):
+        process_runtime, node, model_root, smollm2_model, tmp_path, live_server):
     # (process_runtime first: torn down last, it stops an engine the test left running)
     key_before = _inference_key("before-backup")
-    first = Agent(tmp_path, model_root)
+    first = Agent(tmp_path, model_root, live_server.url)
     try:
         model = Path(shutil.copy(smollm2_model, model_root / "smollm2.gguf"))
         deployment = service.deploy(ADMIN, DeployRequest(name=MODEL, model_path=str(model), node=node,
@@ -102,7 +102,11 @@ def test_a_restored_database_adopts_the_running_engine_and_serves_keys_made_befo
         restored = _manage(["restore", archive], environ)
         assert restored.returncode == 0, restored.stderr
         restored_at = time.time()
-        second = Agent(tmp_path, model_root, log_name="agent-restored.log", environ=environ)
+        # The restored control plane's web server; the node's agent comes back to it with the credential
+        # it held before (the restored database knows it: it was issued before the backup).
+        gateway = GatewayProcess(tmp_path / "gateway-restored.log", environ=environ)
+        second = Agent(tmp_path, model_root, gateway.base_url, log_name="agent-restored.log",
+                       credential=first.credential)
         try:
             # Beats a second apart: two after the restore mean the adopted engine was checked alive.
             state = wait_until(lambda: (s := _restored_state(environ))["heartbeat"] > restored_at + 2 and s, 60,
@@ -110,17 +114,13 @@ def test_a_restored_database_adopts_the_running_engine_and_serves_keys_made_befo
             assert (state["state"], state["pid"]) == ("ready", pid)  # the same engine, adopted, not restarted
             assert _running(pid)
 
-            gateway = GatewayProcess(tmp_path / "gateway-restored.log", environ=environ)
-            try:
-                answer = gateway.openai(key_before).chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
-                assert answer.model == MODEL and answer.choices[0].message.content
-                assert answer.usage.completion_tokens >= 1
-                with pytest.raises(openai.AuthenticationError):  # it was never in the restored database
-                    gateway.openai(key_after).chat.completions.create(
-                        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-            finally:
-                gateway.stop()
+            answer = gateway.openai(key_before).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+            assert answer.model == MODEL and answer.choices[0].message.content
+            assert answer.usage.completion_tokens >= 1
+            with pytest.raises(openai.AuthenticationError):  # it was never in the restored database
+                gateway.openai(key_after).chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
 
             stopped = _manage(["shell", "-c", STOP], environ)
             assert stopped.returncode == 0, stopped.stderr[-3000:]
@@ -129,3 +129,4 @@ def test_a_restored_database_adopts_the_running_engine_and_serves_keys_made_befo
                               what="the replica stopped in the restored database")
         finally:
             second.stop()
+            gateway.stop()

@@ -5,6 +5,7 @@ from scheduler.memory import ENGINES
 from scheduler.models import (
     Accelerator,
     CalibrationRecord,
+    EnrolmentToken,
     HeldWeight,
     ModelDirectory,
     Node,
@@ -62,12 +63,16 @@ class NodeSerializer(serializers.ModelSerializer):
     engines = NodeEngineSerializer(many=True, read_only=True)
     accelerators = AcceleratorSerializer(many=True, read_only=True)
     model_directories = ModelDirectorySerializer(many=True, read_only=True)
+    credential_state = serializers.ChoiceField(
+        choices=["none", "active", "revoked"], read_only=True,
+        help_text="none: no credential issued (a node from before enrolment); active; revoked.")
 
     class Meta:
         model = Node
         fields = ["id", "name", "address", "labels", "state", "cpu_count", "cpu_load_1m", "memory_total_bytes",
                   "memory_available_bytes", "unified_memory", "agent_version", "driver_version", "gpu_source",
-                  "gpu_note", "last_heartbeat_at", "engines", "accelerators", "model_directories"]
+                  "gpu_note", "last_heartbeat_at", "credential_state", "credential_issued_at", "revoked_at",
+                  "engines", "accelerators", "model_directories"]
 
     def get_fields(self):
         fields = super().get_fields()
@@ -81,6 +86,64 @@ class NodeLabelsSerializer(serializers.Serializer):
     """The node's labels, all of them (what is not named is removed); checked by ``scheduler.labels``."""
 
     labels = serializers.DictField(child=serializers.JSONField(), allow_empty=True)
+
+
+class EnrolmentTokenSerializer(serializers.ModelSerializer):
+    """An enrolment token as it is listed: never its secret (``token`` only answers its creation)."""
+
+    id = serializers.UUIDField(source="public_id", read_only=True)
+    node = serializers.SerializerMethodField(help_text="The registered node it issues a credential for "
+                                                       "(--existing), else null.")
+    used_by_node = serializers.SerializerMethodField()
+    state = serializers.SerializerMethodField(help_text="pending, used or expired.")
+    prefix = serializers.SerializerMethodField(help_text="bne_<lookup>_: what a secret scanner would find.")
+
+    class Meta:
+        model = EnrolmentToken
+        fields = ["id", "prefix", "name", "node", "state", "created_by", "created_at", "expires_at", "used_at",
+                  "used_by_node"]
+
+    def get_node(self, obj) -> str | None:
+        return obj.node.name if obj.node_id else None
+
+    def get_used_by_node(self, obj) -> str | None:
+        return obj.used_by_node.name if obj.used_by_node_id else None
+
+    def get_state(self, obj) -> str:
+        return obj.state()
+
+    def get_prefix(self, obj) -> str:
+        return f"bne_{obj.lookup}_"
+
+
+class IssuedEnrolmentTokenSerializer(EnrolmentTokenSerializer):
+    """The answer to a token's creation: the only time its plaintext is said."""
+
+    token = serializers.SerializerMethodField(help_text="bne_…: give it to the agent "
+                                                        "(manage.py agent --server URL --token T); shown once.")
+
+    class Meta(EnrolmentTokenSerializer.Meta):
+        fields = [*EnrolmentTokenSerializer.Meta.fields, "token"]
+
+    def get_token(self, obj) -> str:
+        return self.context["plaintext"]
+
+
+class EnrolmentTokenRequestSerializer(serializers.Serializer):
+    name = serializers.CharField(required=False, allow_blank=True, max_length=253, default="",
+                                 help_text="The node it enrols; blank: the agent says its own name.")
+    existing = serializers.CharField(required=False, allow_blank=True, max_length=253, default="",
+                                     help_text="A registered node's name: the token issues a new credential "
+                                               "for it (how nodes from before enrolment get one).")
+    expires_minutes = serializers.IntegerField(required=False, default=60, min_value=1, max_value=7 * 24 * 60)
+
+
+class EnrolRequestSerializer(serializers.Serializer):
+    token = serializers.CharField(max_length=300, trim_whitespace=True)
+    name = serializers.CharField(required=False, allow_blank=True, max_length=253, default="",
+                                 help_text="This node's name, when the token does not name it.")
+    address = serializers.CharField(required=False, allow_blank=True, max_length=255, default="",
+                                    help_text="Where this node's engines are reached (a host name or IP).")
 
 
 class NodeActionSerializer(serializers.Serializer):

@@ -9,6 +9,7 @@ router.register("nodes", views.NodeViewSet, basename="node")
 router.register("accelerators", views.AcceleratorViewSet, basename="accelerator")
 router.register("calibrations", views.CalibrationRecordViewSet, basename="calibration")
 router.register("decisions", views.PlacementDecisionViewSet, basename="decision")
+router.register("enrolment-tokens", views.EnrolmentTokenViewSet, basename="enrolment-token")
 urlpatterns = [
     path("estimate/", views.EstimateView.as_view(), name="estimate"),
     path("placement/explain/", views.ExplainPlacementView.as_view(), name="explain"),

@@ -8,11 +8,16 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from scheduler import memory, placement_service, reach, recovery_service, services
+from scheduler import enrolment, memory, placement_service, reach, recovery_service, services
+from scheduler.api.node_auth import IsNode, NodeAuthentication
 from scheduler.api.serializers import (
     AcceleratorSerializer,
     CalibrationRecordSerializer,
+    EnrolmentTokenRequestSerializer,
+    EnrolmentTokenSerializer,
+    EnrolRequestSerializer,
     EstimateRequestSerializer,
+    IssuedEnrolmentTokenSerializer,
     NodeActionSerializer,
     NodeLabelsSerializer,
     NodeSerializer,
@@ -28,7 +33,7 @@ from scheduler.filtersets import (
     NodeFilterSet,
     PlacementDecisionFilterSet,
 )
-from scheduler.models import Accelerator, CalibrationRecord, ModelDirectory, Node, PlacementDecision
+from scheduler.models import Accelerator, CalibrationRecord, EnrolmentToken, ModelDirectory, Node, PlacementDecision
 from scheduler.presenting import estimate_payload
 from scheduler.snapshot import current_snapshot
 from tenancy import audit
@@ -104,6 +109,38 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FleetViewSet
         node = self.get_object()
         node = services.set_labels(node, self.actor, self.parsed(NodeLabelsSerializer)["labels"])
         return self.render(self.get_queryset().get(pk=node.pk))
+
+
+    @extend_schema(request=None, responses={200: NodeSerializer})
+    @action(detail=True, methods=["post"], permission_classes=[IsStaff])
+    def revoke(self, request, public_id=None):
+        """Revoke the node's credential: the node API refuses it from the next request on (401
+        ``node_revoked``). The node stays, shown revoked; a token issued for it (``existing``) enrols it
+        again. Staff only."""
+        node = enrolment.revoke(self.actor, self.get_object())
+        return self.render(self.get_queryset().get(pk=node.pk))
+
+
+class EnrolmentTokenViewSet(mixins.ListModelMixin, mixins.DestroyModelMixin, FleetViewSet):
+    """One-time tokens that enrol a node (``manage.py agent --server URL --token T``). The answer to a
+    creation carries the token (``bne_…``) once; lists never do. DELETE withdraws one not yet used
+    (409 ``enrolment_token_used`` otherwise). Staff only."""
+
+    permission_classes = [IsStaff]
+    queryset = EnrolmentToken.objects.select_related("node", "used_by_node")
+    serializer_class = EnrolmentTokenSerializer
+
+    @extend_schema(request=EnrolmentTokenRequestSerializer, responses={201: IssuedEnrolmentTokenSerializer})
+    def create(self, request):
+        data = self.parsed(EnrolmentTokenRequestSerializer)
+        token, plaintext = enrolment.issue_token(self.actor, name=data["name"], existing=data["existing"] or None,
+                                                 ttl_seconds=data["expires_minutes"] * 60)
+        return self.render(self.get_queryset().get(pk=token.pk), IssuedEnrolmentTokenSerializer,
+                           status_code=status.HTTP_201_CREATED, plaintext=plaintext)
+
+    def destroy(self, request, *args, **kwargs):
+        enrolment.withdraw_token(self.actor, self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class AcceleratorViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FleetViewSet):
@@ -228,3 +265,42 @@ class RetryParkedView(APIView):
     def post(self, request, model):
         row = recovery_service.retry(audit.Actor.from_request(request), model)
         return Response(ParkedModelSerializer(recovery_service.describe(row)).data)
+
+
+# --- the node API's one unauthenticated call ------------------------------------------------------
+
+class EnrolView(APIView):
+    """POST an enrolment token with this node's name and address: the node's own credential
+    (``bnc_…``, shown once: keep it, mode 0600), and the token is spent. 401
+    ``enrolment_token_invalid`` / ``enrolment_token_expired`` / ``enrolment_token_spent``; 409
+    ``node_name_taken`` when a node of that name was enrolled already and the token is not for it;
+    400 ``invalid_node_report`` for a bad name or address. No other credential is taken here."""
+
+    authentication_classes: list = []
+    permission_classes = [permissions.AllowAny]
+
+    @extend_schema(request=EnrolRequestSerializer, responses={
+        201: dict, 401: OpenApiResponse(description="enrolment_token_invalid, _expired or _spent"),
+        409: OpenApiResponse(description="node_name_taken")})
+    def post(self, request):
+        body = EnrolRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        node, credential = enrolment.enrol(data["token"], name=data["name"], address=data["address"],
+                                           remote_address=request.META.get("REMOTE_ADDR") or None)
+        return Response({"node": {"id": str(node.public_id), "name": node.name}, "credential": credential},
+                        status=status.HTTP_201_CREATED)
+
+
+class NodeSelfView(APIView):
+    """GET with a node's credential: which node it is (``doctor`` on a node checks its credential with
+    this). 401 ``node_credential_invalid`` / ``node_revoked``."""
+
+    authentication_classes = [NodeAuthentication]
+    permission_classes = [IsNode]
+
+    @extend_schema(responses={200: dict, 401: OpenApiResponse(description="node_credential_invalid or node_revoked")})
+    def get(self, request):
+        node = request.auth
+        return Response({"id": str(node.public_id), "name": node.name, "state": node.state,
+                         "credential_issued_at": node.credential_issued_at})

@@ -10,7 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from serving.control import status
-from serving.node import watchdog
+from serving.control import watchdog
 
 
 def figures(caller) -> dict:

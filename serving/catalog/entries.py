@@ -3,7 +3,6 @@ removing a model's files and collecting files no model references."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import re
@@ -23,6 +22,7 @@ from serving.catalog import profiles, validation
 from serving.catalog.errors import FileInUse, ImportFailed, NotServable
 from serving.catalog.hub import quantisation_of
 from serving.catalog.paths import local_path, quarantine_root
+from serving.engines.model_files import file_sha256
 from serving.models import Deployment, FetchJob, ModelEntry, ModelFile
 from serving.models.states import SERVING
 from tenancy import access, audit
@@ -108,15 +108,6 @@ def register_fetched(job: FetchJob) -> ModelEntry:
     paths = [str(local_path(job.repo, job.commit, f["path"])) for f in job.files]
     ModelFile.objects.filter(path__in=paths, quarantined=False).update(model=entry)
     return entry
-
-
-def file_sha256(path: Path) -> str:
-    """A file's SHA-256, read a MiB at a time (the mirror's files run to tens of GiB)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _place(source: Path, target: Path) -> Path:

@@ -1,7 +1,7 @@
 """The control loop's pass (beat runs it every 15 s): replicas on a lost node are failed, which gives
 back what they held (their agent cannot report, and cannot be asked to stop them); then the
 placement policy's plan is applied (it also unloads on-demand models idle past their timeout).
-The agents reconcile what runs on their own node (``serving.node.heartbeat``).
+What runs on each node is reconciled with its heartbeats (``serving.control.node_reports``).
 
 One process runs the periodic pass: the holder of the control loop's lease (``berth.lease``), which
 it renews each pass and which expires after three missed passes (``berth.health.MISSED_PASSES``), so
@@ -93,7 +93,7 @@ def fail_replicas_of_lost_nodes() -> int:
     first: one whose agent registered meanwhile is back, and its agent keeps its replicas (a
     registration waits for this lock, so an agent never adopts while its replicas are being failed).
     The reason goes on the row too (``exit_reason``): an agent that comes back finds by it the
-    replicas it may take back (``serving.node.adopt.take_back``), so its wording is kept."""
+    replicas it may take back (``serving.control.adopt.take_back``), so its wording is kept."""
     failed = 0
     lost = Node.objects.filter(state=Node.State.LOST, replicas__state__in=ACTIVE + (S.STOPPING,)).distinct()
     for node_id in lost.values_list("pk", flat=True):

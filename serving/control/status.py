@@ -15,8 +15,8 @@ plain data narrowed to what the caller may see.
   memory and the latest plan).
 * ``idle_replicas`` — ready or sleeping replicas of those models that nobody used in a day
   (``serving.load.last_used``; a model whose last use is not known is not idle).
-* ``watchdog`` — the memory level per node, as the caller's ``levels`` reads it (the node agent's
-  watchdog keeps them; control does not import it, the transports pass ``node.watchdog.levels``).
+* ``watchdog`` — the memory level per node, as the caller's ``levels`` reads it (the watchdog keeps
+  them at each heartbeat; the transports pass ``serving.control.watchdog.levels``).
 * ``deployments`` — the deployments the caller may see, counted by state (a deployment that runs a
   file under its own name is not a catalog model, and still runs).
 * ``failures`` — the latest deployment events to ``failed`` in the last 24 hours, of deployments
@@ -47,7 +47,7 @@ UNCLASSED = "(no class)"
 
 def summary(caller: Any, *, levels: Callable | None = None, now: float | None = None) -> dict:
     """Every figure the status shows, as plain data (JSON as it stands) for ``caller``.
-    ``levels``: nodes → {node name: level} or None when not known (``serving.node.watchdog.levels``)."""
+    ``levels``: nodes → {node name: level} or None when not known (``serving.control.watchdog.levels``)."""
     now = time.time() if now is None else now
     # What the node itself holds (replicas on its CPU), summed in the nodes' own query.
     system_reserved = (MemoryReservation.objects.filter(node=OuterRef("pk"), accelerator__isnull=True).order_by()

@@ -1,6 +1,6 @@
 """The deployment verbs: preview, deploy, start, stop, sleep, wake, remove. The API, the console,
-commands and the control loop call these; the node agent carries out what touches engines
-(``serving.node``), reached through its queue (``serving.queues``)."""
+commands and the control loop call these; the node's agent carries out what touches engines
+(``serving.node``), through the jobs its node is given (``serving.queues.to_node``)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from scheduler.errors import InsufficientMemory, NotPlaceable
 from scheduler.models import Accelerator, Node
 from scheduler.policy.fit import Resident, plan_fit
 from serving import queues
-from serving.deployments import actions, gate, ports, states
+from serving.deployments import actions, gate, ports, states, stopping
 from serving.deployments.request import DeployRequest
-from serving.deployments.states import holder_of, release
+from serving.deployments.states import accelerators_of, holder_of, release
 from serving.engines.registry import engine_for, estimation_config
 from serving.errors import DeploymentConflict, InvalidDeployment, WakeRefused
 from serving.models import Deployment, DeploymentEvent, DeploymentState as S, Replica
@@ -159,14 +159,6 @@ def _changed(actor: Actor) -> None:
         queues.reconcile_soon()
 
 
-def accelerators_of(deployment: Deployment) -> list[Accelerator]:
-    """The deployment's accelerators in its own order (the first is the one its estimate is for)."""
-    if not deployment.gpu_uuids:
-        return []
-    found = {a.uuid: a for a in Accelerator.objects.filter(uuid__in=deployment.gpu_uuids)}
-    return [found[uuid] for uuid in deployment.gpu_uuids if uuid in found]
-
-
 def _place(actor: Actor, deployment: Deployment, accelerators: list[Accelerator], device: str,
            waits_for: tuple[str, ...] = ()) -> Replica:
     """A new replica of ``deployment``: a port, its memory on the node (a shard on each of its
@@ -212,7 +204,7 @@ def stop(actor: Actor, deployment: Deployment) -> Deployment:
             if replica.state in BEFORE_START:
                 states.move(replica, S.STOPPED, "cancelled before it started")
             else:
-                transaction.on_commit(lambda r=replica: queues.to_node("stop", r))
+                transaction.on_commit(lambda r=replica: stopping.begin(r))
     deployment.refresh_from_db()
     return deployment
 

@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from scheduler import memory
+from scheduler.models import Accelerator
 from serving import events
 from serving.models import Deployment, DeploymentEvent, DeploymentState as S, Replica
 from serving.models.states import PRECEDENCE, TERMINAL
@@ -35,7 +36,7 @@ ALLOWED = {
     # failed again: a later failure's reason and log tail replace the first. Ready: its node came
     # back and its engine still runs — a replica failed only because its node was lost (no
     # heartbeat) is taken back by the node's agent, its memory and contract share claimed again
-    # under the node's lock (``serving.node.adopt.take_back``); the only way back from failed.
+    # under the node's lock (``serving.control.adopt.take_back``); the only way back from failed.
     S.FAILED: {S.STOPPED, S.FAILED, S.READY},
     S.UNKNOWN: {S.READY, S.STOPPING, S.FAILED},
 }
@@ -85,6 +86,14 @@ def summarise(deployment: Deployment, detail: str = "") -> None:
         deployment.state = state
         deployment.state_detail = detail[:2000]
         deployment.save(update_fields=["state", "state_detail", "updated_at"])
+
+
+def accelerators_of(deployment: Deployment) -> list[Accelerator]:
+    """The deployment's accelerators in its own order (the first is the one its estimate is for)."""
+    if not deployment.gpu_uuids:
+        return []
+    found = {a.uuid: a for a in Accelerator.objects.filter(uuid__in=deployment.gpu_uuids)}
+    return [found[uuid] for uuid in deployment.gpu_uuids if uuid in found]
 
 
 def holder_of(replica: Replica) -> str:

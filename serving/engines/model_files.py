@@ -8,6 +8,7 @@ and a split GGUF has every part.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -102,3 +103,12 @@ def _model_directory(resolved: Path, raw: str, roots: list[Path]) -> Path:
         raise _refuse("incomplete", f"{raw} is still being downloaded ({', '.join(sorted(unfinished))}).",
                       raw, roots, unfinished=sorted(unfinished))
     return resolved
+
+
+def file_sha256(path: Path) -> str:
+    """A file's SHA-256, read a MiB at a time (the mirror's files run to tens of GiB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,63 +1,95 @@
-"""The agent's beat: on start-up it registers the node and adopts what an earlier agent left; then,
-every few seconds, it re-registers the node (telemetry, engines), checks that engines which should
-run still do, times out queued starts, admits the next one in line and runs the memory watchdog.
-The Celery worker's signals start and stop it (``serving.tasks``)."""
+"""The agent's beat: every few seconds it sends the node's report (telemetry, GPUs, engines
+installed, weights held) and what it sees of its engines — each managed engine running here, and
+each the control plane expects to run (its last answer) — to ``/api/node/heartbeat/``. An engine
+that no longer runs is reported with how it ended and its log tail, read before it is cleaned up;
+that report is sent again until a beat gets through, so a failure's evidence is never lost to a
+control plane away for a while. The control plane does the rest (``serving.control.node_reports``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
 from django.conf import settings
-from django.db import close_old_connections
-from django.utils import timezone
 
-from scheduler.models import Node
-from serving.models import DeploymentState as S, Replica
-from serving.models.states import RESIDENT
-from serving.node import adopt, failures, lifecycle, watchdog
-from serving.node.registration import register_local_node
-from serving.node.runtime import handle_of, runtime_for
+from serving.node.client import NodeClient
+from serving.node.discovery import local_node_report
+from serving.node.lifecycle import stop_with_tail
+from serving.node.runtime import managed, runtime_for
+from serving.runtimes.base import EngineSeen, Handle
 
 log = logging.getLogger(__name__)
 
 
-def check_liveness(node: Node) -> None:
-    """A replica that should be running whose engine exited or vanished moves to failed; a queued
-    start that waited too long fails; a lost dispatch (agent restart) is sent again. Replicas
-    failed while this node was lost (its beats late, the agent never stopped) are taken back or
-    have their engines stopped, as after a restart (``adopt.take_back``)."""
-    adopt.take_back(node)
-    for replica in Replica.objects.select_related("deployment", "node").filter(
-            node=node, state__in=RESIDENT):
-        handle = handle_of(replica)
-        if handle is None:
-            continue
-        status = runtime_for(handle.runtime).status(handle)
-        if not status.running:
-            failures.fail(replica, f"engine {status.exit.describe() if status.exit else 'vanished'}", handle=handle,
-                 exit=status.exit)
-    cutoff = timezone.now() - timezone.timedelta(seconds=settings.SERVING_QUEUE_TIMEOUT_SECONDS)
-    for replica in Replica.objects.select_related("deployment", "node").filter(node=node, state=S.QUEUED,
-                                                                                queued_at__lt=cutoff):
-        failures.fail(replica, f"waited more than {settings.SERVING_QUEUE_TIMEOUT_SECONDS // 60} min for a start-up slot")
-    lifecycle.admit_next(node.pk)
+class Heartbeat:
+    def __init__(self, client: NodeClient, node_name: str, agent: str = ""):
+        self.client = client
+        self.node_name = node_name
+        self.agent = agent  # this agent's instance: its first beat makes it the node's
+        self.expected: dict[str, Handle] = {}
+        self.pending: dict[str, EngineSeen] = {}  # ended engines not yet reported
+        self.busy: set[str] = set()  # replicas a job here is working on: that job reports on them
+        self.interval = settings.SERVING_HEARTBEAT_SECONDS
+        self._lock = threading.Lock()
+
+    def send(self, *, first: bool = False) -> dict:
+        """One beat; ``first``: the agent has just started (the control plane adopts what it finds)."""
+        with self._lock:
+            report = dataclasses.replace(local_node_report(), name=self.node_name)
+            seen = self._engines(first)
+            answer = self.client.post("heartbeat/", {"report": dataclasses.asdict(report), "first": first,
+                                                     "agent": self.agent,
+                                                     "engines": [engine.as_wire() for engine in seen]}) or {}
+            for engine in seen:
+                self.pending.pop(engine.handle.replica_id, None)
+            self.expected = {h["replica_id"]: Handle(**h) for h in answer.get("expected") or ()}
+            return answer
+
+    def _engines(self, first: bool) -> list[EngineSeen]:
+        handles = {handle.replica_id: handle for handle in managed()}
+        for replica_id, handle in self.expected.items():
+            handles.setdefault(replica_id, handle)
+        running = []
+        for replica_id, handle in handles.items():
+            if replica_id in self.pending or replica_id in self.busy:
+                continue
+            runtime = runtime_for(handle.runtime)
+            status = runtime.status(handle)
+            if status.running:
+                named = served_name_and_port(handle) if first else {}
+                running.append(EngineSeen(handle=handle, running=True, **named))
+            else:
+                tail, stopped = stop_with_tail(runtime, handle, grace_seconds=10)
+                self.pending[replica_id] = EngineSeen(handle=handle, running=False, exit=status.exit or stopped,
+                                                      log_tail=tail)
+        return running + list(self.pending.values())
+
+    def forever(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval):
+            try:
+                self.send()
+            except Exception as error:  # a failed beat is logged and retried; it must not end the thread
+                log.warning("heartbeat not sent: %s", error)
 
 
-def start_up() -> None:
-    """Before the agent takes its first task: register the node and adopt what an earlier agent
-    left (so a start it is about to receive is never mistaken for an interrupted one)."""
-    adopt.adopt(register_local_node())
-    close_old_connections()
+def served_name_and_port(handle: Handle) -> dict:
+    """What an engine serves and where, from its own command line (the only record left of one
+    running without a record)."""
+    argv: list[str] = []
+    try:
+        if handle.runtime == "process" and handle.pid:
+            argv = open(f"/proc/{handle.pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        elif handle.runtime == "docker" and handle.container_id:
+            argv = list(runtime_for("docker").client.containers.get(handle.container_id).attrs.get("Args") or [])
+    except Exception as error:  # noqa: BLE001 - gone meanwhile, or the daemon away: nothing to read
+        log.info("could not read what %s serves: %s", handle.replica_id, error)
+        return {}
 
+    def after(flag):
+        return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else ""
 
-def heartbeat_forever(stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            close_old_connections()
-            node = register_local_node()
-            check_liveness(node)
-            watchdog.check(node)
-        except Exception:  # a failed beat is logged and retried; it must not end the thread
-            log.exception("agent heartbeat failed")
-        stop.wait(settings.SERVING_HEARTBEAT_SECONDS)
+    port = after("--port")
+    return {"served_name": after("--alias") or after("--served-model-name"),
+            "port": int(port) if port.isdigit() else None}

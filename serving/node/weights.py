@@ -1,14 +1,15 @@
 """A node fetching the mirror's weights it lacks, before a replica of them starts there
-(``Deployment.transfers``, planned by ``serving.catalog.transfer``).
+(``Deployment.transfers``, planned by ``serving.catalog.transfer``; the start job lists them, each
+with a link that lets this node fetch that one file).
 
 Each file goes to ``<to>.partial`` first, resumed from what is there with a byte range; it becomes
-``<to>`` only once its SHA-256 equals the catalog's, and only then is it recorded as this node's
-copy (``ModelFile`` with the node) — a half-finished file is never reported as held (discovery
+``<to>`` only once its SHA-256 equals the catalog's, and only then is it reported as this node's
+copy (the control plane records it) — a half-finished file is never reported as held (discovery
 reports weight suffixes, never ``.partial``). A mismatch is quarantined: the bytes are deleted, the
-node's record says why, and the replica fails without starting. Free disk is checked first; when it
-is short, copies no catalog model needs and no engine here uses are freed, oldest first, and if that
-is not enough the replica fails naming the node and the figures. Progress is the deployment's
-events, about every tenth of the way.
+report says what arrived, and the replica fails without starting. Free disk is checked first; when
+it is short, the copies the control plane listed as freeable (no catalog model needs them, no
+engine here uses them) are freed, oldest first, and if that is not enough the replica fails naming
+the node and the figures. Progress is the deployment's events, about every tenth of the way.
 """
 
 from __future__ import annotations
@@ -20,15 +21,9 @@ import shutil
 from pathlib import Path
 
 import httpx
-from django.conf import settings
-from django.db.models import Q
 
 from berth.errors import BerthError
-from serving.catalog import transfer
-from serving.catalog.entries import file_sha256
-from serving.models import DeploymentEvent, ModelFile, Replica
-from serving.models.states import SERVING
-from serving.node import failures
+from serving.engines.model_files import file_sha256
 
 log = logging.getLogger(__name__)
 CHUNK = 1024 * 1024
@@ -43,78 +38,53 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB"
 
 
-def _say(replica: Replica, message: str) -> None:
-    DeploymentEvent.objects.create(deployment=replica.deployment, replica=replica, from_state=replica.state,
-                                   to_state=replica.state, message=message)
-
-
-def ensure(replica: Replica) -> bool:
-    """Fetch what the replica's node lacks; True when every file is here and verified. False when a
-    file could not be fetched or did not verify: the replica has failed, saying why."""
-    moves = replica.deployment.transfers or []
-    try:
-        for move in moves:
-            _fetch(replica, move)
-    except BerthError as error:
-        failures.fail(replica, f"weights not on {replica.node.name}: {error.message}")
-        return False
-    return True
-
-
-def _have(replica: Replica, move: dict) -> bool:
+def _have(move: dict) -> bool:
     to = Path(move["to"])
-    copy = ModelFile.objects.filter(node=replica.node, path=str(to), verified=True, quarantined=False).first()
-    return copy is not None and copy.sha256 == move["sha256"] and to.is_file() and to.stat().st_size == move["size"]
+    return (move.get("recorded") or move.get("catalogs_own")) and to.is_file() and to.stat().st_size == move["size"]
 
 
-def _catalogs_own(move: dict) -> bool:
-    """The destination is the catalog's own path and a file of its size lies there: this machine (or
-    a shared disk) holds the control plane's verified file itself — not a copy to record or hash."""
-    to = Path(move["to"])
-    source = ModelFile.objects.filter(public_id=move["file"], node__isnull=True).values_list("path", flat=True).first()
-    return source == str(to) and to.is_file() and to.stat().st_size == move["size"]
-
-
-def _fetch(replica: Replica, move: dict) -> None:
-    if _have(replica, move) or _catalogs_own(move):
+def fetch(job, move: dict, freeable) -> None:
+    """Make sure ``move``'s file is here and verified, fetching it when it is not; raises
+    ``TransferFailed`` (or another ``BerthError``) saying why it could not be."""
+    if _have(move):
         return
     to = Path(move["to"])
     to.parent.mkdir(parents=True, exist_ok=True)
     partial = to.with_name(to.name + ".partial")
     with open(partial, "ab") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # two starts of replicas of one model fetch it once
-        if _have(replica, move):  # another start fetched it meanwhile
-            partial.unlink(missing_ok=True)
-            return
         if to.is_file() and to.stat().st_size == move["size"] and file_sha256(to) == move["sha256"]:
-            _record(replica, move, to)  # already here (a copy made before it was recorded): only checked
-            partial.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)  # here already (another start fetched it, or a copy made earlier)
+            job.report("weights", {"to": str(to), "sha256": move["sha256"]})
             return
-        _room_for(replica, to.parent, move["size"] - partial.stat().st_size)
-        _download(replica, move, partial)
+        _room_for(job, to.parent, move["size"] - partial.stat().st_size, freeable)
+        _download(job, move, partial)
         found = file_sha256(partial)
         if found != move["sha256"]:
             partial.unlink(missing_ok=True)
-            _record(replica, move, to, found)
+            job.report("weights", {"to": str(to), "sha256": found})
             raise TransferFailed(f"{move['repo_path'] or to.name} arrived with SHA-256 {found[:12]}…, not the "
                                  f"catalog's {move['sha256'][:12]}…; the copy is quarantined and the replica does "
                                  "not start")
         os.replace(partial, to)
-    _record(replica, move, to)
-    _say(replica, f"weights fetched: {move['repo_path'] or to.name} ({_gib(move['size'])}), SHA-256 verified")
+    job.report("weights", {"to": str(to), "sha256": found})
+    job.report("say", {"message": f"weights fetched: {move['repo_path'] or to.name} ({_gib(move['size'])}), "
+                                  "SHA-256 verified"})
 
 
-def _download(replica: Replica, move: dict, partial: Path) -> None:
-    url = f"{settings.SERVING_CONTROL_URL}/api/serving/mirror/files/{move['file']}/content/"
+def _download(job, move: dict, partial: Path) -> None:
+    client = job.client
+    url = f"{client.server}/api/serving/mirror/files/{move['file']}/content/"
     have = partial.stat().st_size
-    headers = {"Authorization": f"Bearer {transfer.link_for(move['file'], replica.node)}"}
+    headers = {"Authorization": f"Bearer {move['link']}"}
     if have:
         headers["Range"] = f"bytes={have}-"
     total, said = move["size"] or 1, have * 10 // max(move["size"] or 1, 1)
-    _say(replica, f"fetching weights: {move['repo_path']} ({_gib(move['size'])}"
-                  + (f", resumed at {_gib(have)})" if have else ")"))
+    job.report("say", {"message": f"fetching weights: {move['repo_path']} ({_gib(move['size'])}"
+                                  + (f", resumed at {_gib(have)})" if have else ")")})
     try:
-        with httpx.stream("GET", url, headers=headers, timeout=httpx.Timeout(30, read=120)) as answer:
+        with httpx.stream("GET", url, headers=headers, verify=client.verify,
+                          timeout=httpx.Timeout(30, read=120)) as answer:
             if answer.status_code == 416:
                 return  # all of it is here already
             if answer.status_code not in (200, 206):
@@ -129,60 +99,37 @@ def _download(replica: Replica, move: dict, partial: Path) -> None:
                     done += len(chunk)
                     if done * 10 // total > said:
                         said = done * 10 // total
-                        _say(replica, f"fetching weights: {_gib(done)} of {_gib(move['size'])}")
+                        job.report("say", {"message": f"fetching weights: {_gib(done)} of {_gib(move['size'])}"})
     except httpx.HTTPError as error:
-        raise TransferFailed(f"the transfer of {move['repo_path']} from {settings.SERVING_CONTROL_URL} broke "
+        raise TransferFailed(f"the transfer of {move['repo_path']} from {client.server} broke "
                              f"({error}); what arrived is kept and the next start resumes it") from error
 
 
-def _record(replica: Replica, move: dict, to: Path, found: str | None = None) -> None:
-    """The node's copy as it arrived: verified, or (``found``, another SHA-256) quarantined with why."""
-    source = ModelFile.objects.filter(public_id=move["file"]).first()
-    bad = found is not None and found != move["sha256"]
-    ModelFile.objects.update_or_create(node=replica.node, path=str(to), defaults={
-        "model": source.model if source else None, "repo_path": move["repo_path"], "size": move["size"],
-        "sha256": found or move["sha256"], "expected_sha256": move["sha256"], "verified": not bad, "quarantined": bad,
-        "quarantine_reason": f"its transfer to {replica.node.name} arrived with SHA-256 {found}, not {move['sha256']}"
-        if bad else ""})
-
-
-def _room_for(replica: Replica, where: Path, need: int) -> None:
+def _room_for(job, where: Path, need: int, freeable) -> None:
     free = shutil.disk_usage(where).free
     if free >= need + DISK_MARGIN:
         return
-    freed = collect_garbage(replica.node, need + DISK_MARGIN - free)
+    freed = collect_garbage(job, freeable, need + DISK_MARGIN - free)
     free = shutil.disk_usage(where).free
     if free < need + DISK_MARGIN:
-        raise TransferFailed(f"{replica.node.name} has {_gib(free)} of disk free under {where}, the weights need "
+        raise TransferFailed(f"this node has {_gib(free)} of disk free under {where}, the weights need "
                              f"{_gib(need)} (and {_gib(DISK_MARGIN)} kept free); freeing copies no model needs "
                              f"gave back {_gib(freed)}")
 
 
-def collect_garbage(node, want: int) -> int:
-    """Free this node's copies that no catalog model needs (their model left the catalog) or that are
-    quarantined, oldest first, never one an engine here uses nor a path the catalog's own file has,
-    until ``want`` bytes are freed; the bytes freed. Files the node did not fetch (its own model
-    directories) are never touched."""
-    in_use = set(ModelFile.objects.filter(node__isnull=True).values_list("path", flat=True))  # the catalog's own
-    for paths in replica_paths(node):
-        in_use.update(paths)
-    freed = 0
-    for copy in ModelFile.objects.filter(Q(model__isnull=True) | Q(quarantined=True), node=node).order_by("created_at"):
+def collect_garbage(job, freeable, want: int) -> int:
+    """Free the copies the control plane listed (oldest first) until ``want`` bytes are freed; the
+    bytes freed. The files freed are reported, so the control plane forgets those copies."""
+    freed, paths = 0, []
+    for name in freeable:
         if freed >= want:
             break
-        if copy.path in in_use:
-            continue
-        path = Path(copy.path)
+        path = Path(name)
         size = path.stat().st_size if path.is_file() else 0
         path.unlink(missing_ok=True)
-        copy.delete()
+        paths.append(name)
         freed += size
-        log.info("freed %s on %s (%s): no catalog model needs it", copy.path, node.name, _gib(size))
+        log.info("freed %s (%s): no catalog model needs it", name, _gib(size))
+    if paths:
+        job.report("freed", {"paths": paths})
     return freed
-
-
-def replica_paths(node):
-    """The files the engines on ``node`` read (their transfers' destinations)."""
-    for transfers in Replica.objects.filter(node=node, state__in=SERVING).values_list("deployment__transfers",
-                                                                                       flat=True):
-        yield [move["to"] for move in transfers or ()]

@@ -57,6 +57,32 @@ class Status:
     peak_memory_bytes: int | None = None  # peak resident memory (VmHWM / cgroup peak), when measured
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineSeen:
+    """What a node saw of one managed engine, as its agent reports it to the control plane: the
+    engine's handle, whether it runs, and once it no longer does, how it ended and its log tail. At
+    an agent's start-up, an engine running without a record says what it serves and where."""
+
+    handle: Handle
+    running: bool
+    exit: Exit | None = None
+    log_tail: str = ""
+    served_name: str = ""
+    port: int | None = None
+
+    def as_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict) -> EngineSeen:
+        """From a report's JSON; ``KeyError``/``TypeError`` on a malformed one (the caller says 400)."""
+        exit = data.get("exit")
+        return cls(handle=Handle(**data["handle"]), running=bool(data["running"]),
+                   exit=Exit(**exit) if exit else None, log_tail=str(data.get("log_tail") or "")[-20000:],
+                   served_name=str(data.get("served_name") or ""),
+                   port=int(data["port"]) if data.get("port") is not None else None)
+
+
 class Runtime(Protocol):
     kind: str
 

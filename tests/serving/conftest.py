@@ -105,17 +105,17 @@ def node(db):
 
 
 @pytest.fixture
-def agent(tmp_path, model_root, node):
+def agent(tmp_path, model_root, node, live_server):
     """A real agent on the node; whatever a test left running is stopped the way a person would."""
     from serving.deployments import service
     from serving.models import Deployment, Replica
     from tenancy.audit import Actor
 
-    running = Agent(tmp_path, model_root)
+    running = Agent(tmp_path, model_root, live_server.url)
     yield running
-    for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
-        service.stop(Actor(system="tests"), deployment)
     try:
+        for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
+            service.stop(Actor(system="tests"), deployment)
         wait_until(lambda: not Replica.objects.exclude(state__in=("stopped", "failed")).exists(), 60,
                    what="every replica stopped")
     finally:

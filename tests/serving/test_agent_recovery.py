@@ -13,14 +13,15 @@ import pytest
 from django.utils import timezone
 
 from scheduler.models import RecoveryState
-from serving.node import failures, heartbeat, lifecycle
-from serving.models import ModelEntry
+from serving import queues
+from serving.control import failures, node_reports
 from serving.deployments import service
-from serving.models import Deployment, Replica
+from serving.models import Deployment, ModelEntry, Replica
 from serving.runtimes.base import Exit
 from tenancy.audit import Actor
 from tests.assets.agent import NODE, Agent
 from tests.assets.llama_server import free_port
+from tests.assets.node_inline import InlineClient, run_next
 from tests.assets.waiting import wait_until
 
 ADMIN = Actor(system="tests")
@@ -86,11 +87,11 @@ def test_a_ready_replica_resets_the_models_failure_memory(agent, model_root, tin
 
 @pytest.mark.llama
 @pytest.mark.django_db(transaction=True)
-def test_an_engine_that_never_becomes_ready_is_a_hang(tmp_path, model_root, node, tiny_model):
+def test_an_engine_that_never_becomes_ready_is_a_hang(tmp_path, model_root, node, tiny_model, live_server):
     """A chat model deployed as a reranker: /health answers, the real rerank request never does,
     so the start-up timeout (5 s here) passes."""
     catalog_entry("never-ready")
-    running = Agent(tmp_path, model_root, startup_timeout=5)
+    running = Agent(tmp_path, model_root, live_server.url, startup_timeout=5)
     try:
         deployment = deploy("never-ready", Path(shutil.copy(tiny_model, model_root / "tiny.gguf")), task="rerank")
         wait_until(lambda: settled(deployment), 120, what="the deployment settled")
@@ -102,7 +103,7 @@ def test_an_engine_that_never_becomes_ready_is_a_hang(tmp_path, model_root, node
         running.stop()
 
 
-# --- the classification at the agent's call sites, in process -----------------------------------------
+# --- the classification of what the agent reports, in process ------------------------------------------
 
 def _replica(node, model_root, tiny_model, name: str, state: str, **fields) -> Replica:
     model = Path(shutil.copy(tiny_model, model_root / f"{name}.gguf"))
@@ -117,7 +118,7 @@ def _replica(node, model_root, tiny_model, name: str, state: str, **fields) -> R
 def test_an_exit_with_out_of_memory_evidence_while_loading_is_an_oom(node, model_root, tiny_model):
     catalog_entry("big")
     replica = _replica(node, model_root, tiny_model, "big", "loading")
-    failures.fail(replica, "engine out of memory (Docker OOMKilled) while loading",
+    failures.record(replica, "engine out of memory (Docker OOMKilled) while loading",
                     exit=Exit(code=137, signal=9, oom_evidence="Docker OOMKilled"), launch_failure="crash")
     row = recovery_of("big")
     assert (row.kind, row.consecutive, row.level) == ("oom", 1, 1)  # the ladder degrades it next
@@ -127,7 +128,7 @@ def test_an_exit_with_out_of_memory_evidence_while_loading_is_an_oom(node, model
 def test_a_sigkill_without_evidence_while_loading_stays_a_crash(node, model_root, tiny_model):
     catalog_entry("killed")
     replica = _replica(node, model_root, tiny_model, "killed", "loading")
-    failures.fail(replica, "engine killed by SIGKILL while loading", exit=Exit(code=None, signal=9),
+    failures.record(replica, "engine killed by SIGKILL while loading", exit=Exit(code=None, signal=9),
                     launch_failure="crash")
     assert recovery_of("killed").kind == "crash"
 
@@ -135,12 +136,15 @@ def test_a_sigkill_without_evidence_while_loading_stays_a_crash(node, model_root
 @pytest.mark.django_db
 def test_no_room_at_its_turn_is_not_the_models_failure(node, model_root, tiny_model):
     catalog_entry("crowded")
-    replica = _replica(node, model_root, tiny_model, "crowded", "starting",
+    replica = _replica(node, model_root, tiny_model, "crowded", "planned",
                        memory_reserved_bytes=(node.memory_total_bytes or 2**40) * 4)
-    lifecycle._start(replica)
+    job = queues.to_node("start", replica)
+    run_next(InlineClient(node), "start")  # the agent asks to be admitted: at its turn, it no longer fits
     replica.refresh_from_db()
     assert replica.state == "failed" and "no longer fits at its turn" in replica.exit_reason
     assert recovery_of("crowded") is None
+    job.refresh_from_db()
+    assert (job.state, job.result) == ("done", {"outcome": "queued"})  # nothing was launched
 
 
 @pytest.mark.django_db
@@ -149,7 +153,7 @@ def test_the_queue_timeout_is_not_the_models_failure(node, model_root, tiny_mode
     replica = _replica(node, model_root, tiny_model, "waited", "queued")
     Replica.objects.filter(pk=replica.pk).update(
         queued_at=timezone.now() - timedelta(seconds=settings.SERVING_QUEUE_TIMEOUT_SECONDS + 60))
-    heartbeat.check_liveness(node)
+    node_reports.beat(node, [], first=False)  # the node's next heartbeat, as the control plane takes it
     replica.refresh_from_db()
     assert replica.state == "failed" and "for a start-up slot" in replica.exit_reason
     assert recovery_of("waited") is None

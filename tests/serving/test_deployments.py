@@ -147,8 +147,8 @@ def test_stop_stops_the_engine_and_releases_its_memory(agent, model_root, tiny_m
     assert not Deployment.objects.filter(pk=deployment.pk).exists()
 
 
-def test_agent_restart_adopts_the_running_engine(tmp_path, model_root, node, tiny_model):
-    first = Agent(tmp_path, model_root)
+def test_agent_restart_adopts_the_running_engine(tmp_path, model_root, node, tiny_model, live_server):
+    first = Agent(tmp_path, model_root, live_server.url)
     try:
         model = Path(shutil.copy(tiny_model, model_root / "tiny.gguf"))
         deployment = deploy("tiny", model)
@@ -157,7 +157,7 @@ def test_agent_restart_adopts_the_running_engine(tmp_path, model_root, node, tin
         first.stop()
     replica = deployment.replica_set.get()
     os.kill(replica.handle["pid"], 0)  # the engine outlived its agent
-    second = Agent(tmp_path, model_root, log_name="agent-after-restart.log")
+    second = Agent(tmp_path, model_root, live_server.url, log_name="agent-after-restart.log")
     try:
         service.stop(ADMIN, deployment)
         wait_until(lambda: state_of(deployment) == "stopped", 60, what="the new agent stopped the adopted engine")
@@ -204,7 +204,7 @@ def test_a_queued_deploy_that_no_longer_fits_at_its_turn_fails_with_the_reason(a
 
 
 def test_an_engine_running_without_a_record_is_adopted_as_unknown(tmp_path, model_root, node, tiny_model,
-                                                                  process_runtime, launch_spec):
+                                                                  process_runtime, launch_spec, live_server):
     import uuid
 
     from serving.engines.llamacpp import LlamaCpp
@@ -212,7 +212,7 @@ def test_an_engine_running_without_a_record_is_adopted_as_unknown(tmp_path, mode
     spec = launch_spec(tiny_model, replica_id=str(uuid.uuid4()), served_name="stray",
                        config=LlamaCpp().validate_config({"context": 256}))
     handle = process_runtime.start(spec, LlamaCpp().command(spec))  # a record lost, an engine still running
-    running = Agent(tmp_path, model_root)  # its engines directory is the same tmp_path / "engines"
+    running = Agent(tmp_path, model_root, live_server.url)  # its engines directory is the same tmp_path / "engines"
     try:
         replica = wait_until(lambda: Replica.objects.filter(public_id=spec.replica_id).first(), 30,
                              what="the stray engine adopted")

@@ -73,9 +73,8 @@ def come_up(ago=600):
 
 def stopped_by_agents(sent):
     """The agents did what they were sent: every replica asked to stop has stopped."""
-    for replica in Replica.objects.filter(deployment__name="moved").exclude(state__in=GONE):
+    for replica in Replica.objects.filter(deployment__name="moved", state="stopping"):  # (recorded when asked)
         if ("stop", replica.node.name, replica.pk) in sent:
-            states.move(replica, "stopping", "asked to stop")
             states.move(replica, "stopped", "stopped by its agent")  # which gives its reservation back
 
 

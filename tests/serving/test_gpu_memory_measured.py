@@ -1,5 +1,6 @@
 """GPU memory measured after every load: the agent reads, through the NVML adapter, the device
-memory the engine really took — its processes' own figures where the driver gives them, else the
+memory the engine really took and sends the readings with the start job's completion; the control
+plane measures from them — the engine's processes' own figures where the driver gives them, else the
 device's use after the load less before it — records which one it was, and the estimator learns
 from it as it does from peak RSS on CPUs. The reference of a load record is the estimator's own
 figure, not the already calibrated reservation; flash attention on and off never calibrate each
@@ -7,7 +8,7 @@ other; the model card shows reserved against measured and warns when measured is
 
 No GPU exists here: NVML answers from a recording of a real H100 machine (``h100x8``), with the
 load's figures on its idle GPU 2 and the engine's real PID (the engine is a real llama-server on
-the CPU, launched by the agent's own code in this process)."""
+the CPU, launched by the agent's own code, played in this process by ``tests.assets.node_inline``)."""
 
 from __future__ import annotations
 
@@ -35,16 +36,17 @@ from scheduler.nvml import (
 )
 from scheduler.policy.calibration import classify_exit
 from scheduler.services import register_node
-from serving import queues
 from serving.catalog import entries
+from serving.control import failures
 from serving.deployments import service
 from serving.deployments.states import holder_of
 from serving.models import Deployment, Replica
-from serving.node import discovery, failures, lifecycle, runtime as node_runtime
+from serving.node import discovery, runtime as node_runtime
 from serving.runtimes.process import ProcessRuntime
 from tenancy.audit import Actor
 from tests.assets.agent import NODE
 from tests.assets.hub_server import mirror_root  # noqa: F401  (fixture)
+from tests.assets.node_inline import InlineClient, run_next
 from tests.assets.recorded_nvml import RECORDED, RecordedNvml, recorded_smi
 
 ADMIN = Actor(system="tests")
@@ -131,21 +133,27 @@ def idle_gpu(gpu_node):
 
 @pytest.fixture
 def engines(tmp_path, settings, monkeypatch, model_root):
-    """This process as the node's agent: its own engines directory, dispatches kept, every engine
-    it launched stopped after."""
+    """This process as the node's agent's runtime: its own engines directory, every engine it
+    launched stopped after."""
     settings.SERVING_ENGINE_DIR = tmp_path / "engines"
     settings.SERVING_DRAIN_SECONDS = 0
     runtime = ProcessRuntime(tmp_path / "engines")
     monkeypatch.setattr(node_runtime, "_runtimes", {"process": runtime})
-    monkeypatch.setattr(queues, "to_node", lambda operation, replica: None)
     yield runtime
     for handle in runtime.managed():
         runtime.stop(handle, grace_seconds=5)
 
 
+def start_on_the_node(gpu: Accelerator) -> None:
+    """The node's agent claims the replica's start job and does it (fetch, admit, launch, watch, the
+    readings sent with its completion) with its own code, in this process."""
+    run_next(InlineClient(gpu.node), "start")
+
+
 class LoadOnRecordedGpu:
-    """NVML as the agent reads it around one load on GPU 2: as recorded before the engine starts,
-    then with ``device_bytes`` more used and the engine's process listed holding ``process_bytes``
+    """NVML as the agent's half reads it (``discovery.agent_nvml``) around one load on GPU 2: as
+    recorded before the engine starts, then with ``device_bytes`` more used and the engine's process
+    (the PID of the handle the agent reported at its launch) listed holding ``process_bytes``
     (``None``: the driver withholds it), or no process list at all."""
 
     def __init__(self, *, device_bytes: int, process_bytes: int | None, supports_processes: bool = True,
@@ -198,7 +206,7 @@ def test_the_engines_own_device_memory_calibrates_the_next_estimate(engines, idl
     taken = int(raw * 0.8)  # the engine's process on GPU 2 (the device shows more: another context)
     nvml = LoadOnRecordedGpu(device_bytes=taken + 64 * MIB, process_bytes=taken)
     monkeypatch.setattr(discovery, "agent_nvml", nvml)
-    lifecycle.start_replica(str(replica.public_id))
+    start_on_the_node(idle_gpu)
     replica.refresh_from_db()
     assert replica.state == "ready" and nvml.reads == 2
     record = CalibrationRecord.objects.get()
@@ -217,7 +225,7 @@ def test_a_driver_without_per_process_figures_calibrates_from_the_device_delta(e
     raw = raw_of(replica, idle_gpu)
     grew = int(raw * 1.3)
     monkeypatch.setattr(discovery, "agent_nvml", LoadOnRecordedGpu(device_bytes=grew, process_bytes=None))
-    lifecycle.start_replica(str(replica.public_id))
+    start_on_the_node(idle_gpu)
     record = CalibrationRecord.objects.get()
     assert (record.measured_bytes, record.measurement) == (grew, CalibrationRecord.Measurement.DEVICE_DELTA)
     assert record.get_measurement_display() == "the device's use before and after the load (NVML)"
@@ -236,8 +244,8 @@ def test_a_load_whose_device_memory_is_unknown_records_nothing_and_says_so(engin
                                                                           tiny_model, monkeypatch, caplog, driver):
     replica = deploy_on(idle_gpu, model_root, tiny_model)
     monkeypatch.setattr(discovery, "agent_nvml", LoadOnRecordedGpu(device_bytes=0, process_bytes=None, **driver))
-    with caplog.at_level(logging.INFO, logger="serving.node.failures"):
-        lifecycle.start_replica(str(replica.public_id))
+    with caplog.at_level(logging.INFO, logger="serving.control.failures"):
+        start_on_the_node(idle_gpu)
     replica.refresh_from_db()
     assert replica.state == "ready"  # serving does not wait on a measurement
     assert not CalibrationRecord.objects.exists()
@@ -257,8 +265,8 @@ def test_no_device_delta_is_trusted_while_another_engine_loads_on_the_same_gpu(e
     loading = Replica.objects.create(deployment=neighbour, node=idle_gpu.node, port=20999, state="loading")
     replica = deploy_on(idle_gpu, model_root, tiny_model)
     monkeypatch.setattr(discovery, "agent_nvml", LoadOnRecordedGpu(device_bytes=900 * MIB, process_bytes=None))
-    with caplog.at_level(logging.INFO, logger="serving.node.failures"):
-        lifecycle.start_replica(str(replica.public_id))
+    with caplog.at_level(logging.INFO, logger="serving.control.failures"):
+        start_on_the_node(idle_gpu)
     replica.refresh_from_db()
     assert replica.state == "ready" and not CalibrationRecord.objects.exists()
     assert any(f"cannot be trusted: replica {loading.public_id}" in line for line in caplog.messages), caplog.messages
@@ -292,7 +300,8 @@ def test_the_cpu_path_records_its_peak_against_the_uncalibrated_estimate_too(mod
     deployment = service.deploy(ADMIN, service.DeployRequest(name="cpu", model_path=str(path), node=node,
                                                              config={"context": 256}))
     replica = deployment.replica_set.get()
-    raw = memory.raw_estimate(read_model(path), "llamacpp", memory.engine_config("llamacpp", {"ctx_size": 256})).total_bytes
+    config = memory.engine_config("llamacpp", {"ctx_size": 256})
+    raw = memory.raw_estimate(read_model(path), "llamacpp", config).total_bytes
     Deployment.objects.filter(pk=deployment.pk).update(memory_reserved_bytes=raw * 3)  # as if calibrated high
     replica.deployment.refresh_from_db()
     failures.calibrate(replica, raw // 2)
@@ -337,7 +346,8 @@ def test_vllm_loads_teach_nothing_because_vllm_fills_the_pool_it_is_given(shape)
                        measurement="process")
     assert memory.calibrated_estimate(shape, "vllm", config, engine_version="0.11.0").calibration is None
     memory.record_failure(shape, "vllm", "0.11.0", config, "gpu", estimated_bytes=raw,
-                          classification=classify_exit(exit_code=1, engine_log="torch.OutOfMemoryError: CUDA out of memory"))
+                          classification=classify_exit(exit_code=1,
+                                                       engine_log="torch.OutOfMemoryError: CUDA out of memory"))
     assert memory.calibrated_estimate(shape, "vllm", config, engine_version="0.11.0").calibration["rule"] == "oom"
 
 

@@ -26,10 +26,12 @@ from serving.deployments import service
 from serving.deployments.states import holder_of
 from serving.keys import replica_key
 from serving.models import Deployment, ModelEntry, Replica
-from serving.node import heartbeat
+from serving.node import runtime as node_runtime
 from serving.node.discovery import local_node_report
 from serving.runtimes.base import Handle
+from serving.runtimes.process import ProcessRuntime
 from tenancy.audit import Actor
+from tests.assets import node_inline
 from tests.assets.agent import NODE, Agent
 from tests.assets.waiting import wait_until
 
@@ -81,6 +83,14 @@ def assert_taken_back(replica: Replica, pid: int) -> None:
     assert response.status_code == 200
 
 
+def beats_settle(client: node_inline.InlineClient) -> None:
+    """The node's agent, in process: a beat (its answer names the engines the control plane asks
+    about), a beat that reports on them, then the jobs those beats gave the node (engines to stop)."""
+    node_inline.beat(client)
+    node_inline.beat(client)
+    node_inline.run_all(client)
+
+
 def stop_everything() -> None:
     for deployment in Deployment.objects.exclude(state__in=("stopped", "failed")):
         service.stop(ADMIN, deployment)
@@ -90,9 +100,9 @@ def stop_everything() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_an_agent_back_after_its_node_was_lost_takes_its_running_engine_back(tmp_path, model_root, node,
-                                                                             tiny_model, process_runtime):
+                                                                             tiny_model, process_runtime, live_server):
     always_on(tiny_model, tmp_path)
-    first = Agent(tmp_path, model_root)
+    first = Agent(tmp_path, model_root, live_server.url)
     try:
         assert placement.reconcile()["launched"] == ["kept"]
         replica = Replica.objects.get(deployment__name="kept")
@@ -107,7 +117,7 @@ def test_an_agent_back_after_its_node_was_lost_takes_its_running_engine_back(tmp
     assert state_of(replica) == "failed" and replica.exit_reason.startswith(f"node {NODE} is lost")
     assert not MemoryReservation.objects.exists()
 
-    second = Agent(tmp_path, model_root, log_name="agent-after-comeback.log")
+    second = Agent(tmp_path, model_root, live_server.url, log_name="agent-after-comeback.log")
     try:
         wait_until(lambda: state_of(replica) == "ready", 30, what="the engine taken back")
         assert_taken_back(replica, pid)
@@ -134,7 +144,7 @@ def test_an_agent_whose_heartbeats_were_late_takes_its_engine_back_at_its_next_b
 # --- refusals, in process: the rule the agent applies, on a real engine -------------------------------
 
 @pytest.fixture
-def lost_replica(node, model_root, tiny_model, process_runtime, launch_spec):
+def lost_replica(node, model_root, tiny_model, process_runtime, launch_spec, monkeypatch):
     """A ready replica with its real engine running, then its node lost and the replica failed as
     beat does; the node has just registered again (it came back)."""
     from serving.engines.llamacpp import LlamaCpp
@@ -152,6 +162,7 @@ def lost_replica(node, model_root, tiny_model, process_runtime, launch_spec):
     replica.refresh_from_db()
     assert lost_and_failed_as_beat_would() == 1
     register_node(dataclasses.replace(local_node_report(), name=NODE))  # back: ready again
+    monkeypatch.setattr(node_runtime, "_runtimes", {"process": process_runtime})  # the agent's engines
     return replica, handle, process_runtime
 
 
@@ -162,7 +173,7 @@ def test_a_newer_replica_of_the_name_wins_and_the_old_engine_is_stopped(lost_rep
                                       state="planned", memory_reserved_bytes=64 * 2**20)
     Replica.objects.create(deployment=newer, node=node, port=replica.port + 1, state="planned",
                            memory_reserved_bytes=64 * 2**20)
-    heartbeat.check_liveness(Node.objects.get(name=NODE))
+    beats_settle(node_inline.InlineClient(Node.objects.get(name=NODE)))
     assert state_of(replica) == "failed" and "a newer replica of back" in replica.exit_reason
     assert not runtime.status(handle).running
     assert not MemoryReservation.objects.filter(holder=holder_of(replica)).exists()
@@ -172,17 +183,18 @@ def test_a_newer_replica_of_the_name_wins_and_the_old_engine_is_stopped(lost_rep
 def test_an_engine_whose_memory_is_no_longer_free_is_stopped_with_the_reason(lost_replica, node):
     replica, handle, runtime = lost_replica
     MemoryReservation.objects.create(node=node, holder="elsewhere", bytes=node.memory_total_bytes)
-    heartbeat.check_liveness(Node.objects.get(name=NODE))
+    client = node_inline.InlineClient(Node.objects.get(name=NODE))
+    beats_settle(client)
     assert state_of(replica) == "failed" and "Not enough memory" in replica.exit_reason
     assert replica.exit_reason.startswith("its node came back but its engine was stopped")
     assert not runtime.status(handle).running
     assert list(MemoryReservation.objects.values_list("holder", flat=True)) == ["elsewhere"]
-    heartbeat.check_liveness(Node.objects.get(name=NODE))  # settled: the next beat leaves it as it is
+    beats_settle(client)  # settled: the next beats leave it as it is
     assert replica.events.filter(to_state="failed").count() == 2
 
 
 @pytest.mark.django_db
-def test_a_lost_replica_whose_engine_ended_meanwhile_is_settled_once(node):
+def test_a_lost_replica_whose_engine_ended_meanwhile_is_settled_once(node, tmp_path, monkeypatch):
     deployment = Deployment.objects.create(name="gone", model_path="/nowhere.gguf", node=node, state="ready",
                                            memory_reserved_bytes=2**20)
     replica = Replica.objects.create(deployment=deployment, node=node, port=20001, state="ready",
@@ -192,7 +204,9 @@ def test_a_lost_replica_whose_engine_ended_meanwhile_is_settled_once(node):
     replica.save(update_fields=["handle"])
     assert lost_and_failed_as_beat_would() == 1
     register_node(dataclasses.replace(local_node_report(), name=NODE))
-    heartbeat.check_liveness(Node.objects.get(name=NODE))
+    monkeypatch.setattr(node_runtime, "_runtimes", {"process": ProcessRuntime(tmp_path / "engines")})
+    client = node_inline.InlineClient(Node.objects.get(name=NODE))
+    beats_settle(client)
     assert state_of(replica) == "failed" and "its engine no longer runs" in replica.exit_reason
-    heartbeat.check_liveness(Node.objects.get(name=NODE))
+    beats_settle(client)
     assert replica.events.filter(to_state="failed").count() == 2

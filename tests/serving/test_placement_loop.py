@@ -332,7 +332,7 @@ def test_after_the_degraded_relaunch_fails_the_minimal_footprint_runs_once_on_th
     from scheduler.nvml import discover_gpus
     from scheduler.services import EngineReport, NodeReport
     from serving.catalog import profiles
-    from serving.node import failures
+    from serving.control import failures
     from serving.runtimes.base import Exit
     from tests.assets.recorded_nvml import RecordedNvml, recorded_smi
 
@@ -354,7 +354,7 @@ def test_after_the_degraded_relaunch_fails_the_minimal_footprint_runs_once_on_th
         replica = deployment.replica_set.get()
         Replica.objects.filter(pk=replica.pk).update(state="loading")
         replica.refresh_from_db()
-        failures.fail(replica, "engine out of memory while loading" if oom else "engine exited with status 1",
+        failures.record(replica, "engine out of memory while loading" if oom else "engine exited with status 1",
                       exit=Exit(code=137, signal=9, oom_evidence="kernel OOM killer" if oom else None),
                       launch_failure="crash")
         RecoveryState.objects.filter(model="big").update(last_failure_at=timezone.now() - timedelta(hours=1))

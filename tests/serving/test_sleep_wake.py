@@ -1,7 +1,12 @@
 """Sleep and wake: vLLM's HTTP contract (served on loopback: no GPU here), the memory freed and
 claimed back, llama.cpp's plain refusal, and a wake taking its turn at the start-up gate like a
-start: behind engines starting, in the same first-come-first-served line as queued starts."""
+start: behind engines starting, in the same first-come-first-served line as queued starts.
 
+Sleep and wake are node jobs: the control plane claims the memory and the start-up slot when the
+node claims a wake, and records what the node reports; the agent asks vLLM. Most tests play the
+agent in this process (``tests/assets/node_inline.py``); the last ones run a real agent."""
+
+import copy
 import shutil
 import threading
 from datetime import timedelta
@@ -9,6 +14,7 @@ from urllib.parse import urlparse
 
 import pytest
 from django.db import connection
+from django.test import Client
 from rest_framework.test import APIClient
 
 from scheduler.models import MemoryReservation
@@ -18,10 +24,12 @@ from serving.deployments import gate, service
 from serving.deployments.service import holder_of
 from serving.errors import SleepNotSupported
 from serving.keys import replica_key
-from serving.models import Deployment, Replica
-from serving.node import lifecycle as agent
+from serving.control import node_work
+from serving.models import Deployment, NodeJob, Replica
+from serving.node import lifecycle
 from tenancy.audit import Actor
 from tests.assets.llama_server import free_port
+from tests.assets.node_inline import InlineClient, claim, run_next
 from tests.assets.vllm_contract import ContractServer
 from tests.assets.waiting import wait_until
 
@@ -29,6 +37,7 @@ pytestmark = pytest.mark.django_db
 GIB = 2**30
 MIB = 2**20
 ADMIN = Actor(system="tests")
+ask = queues.to_node  # the real one, for the tests' own asks (``sent`` keeps only the code's dispatches)
 
 
 @pytest.fixture
@@ -57,26 +66,49 @@ def replica(contract):
     return made
 
 
-def test_sleep_frees_the_memory_and_wake_claims_it_back(contract, replica):
-    agent.sleep_replica(str(replica.public_id))
+@pytest.fixture
+def node_agent(replica, monkeypatch):
+    """The replica's node's agent, played in this process; its machine has 40 GiB free (what the
+    agent reads before it wakes an engine into its memory)."""
+    monkeypatch.setattr(lifecycle, "meminfo", lambda: {"MemTotal": 64 * GIB, "MemAvailable": 40 * GIB})
+    return InlineClient(replica.node)
+
+
+def sleep(node_agent, replica) -> lifecycle.Job | None:
+    """Ask the node to put ``replica`` to sleep, and let its agent do it."""
+    ask("sleep", replica)
+    return run_next(node_agent, "sleep")
+
+
+def wake(node_agent, replica) -> lifecycle.Job | None:
+    """Ask the node to wake ``replica``, and let its agent claim the job (None: nothing was handed
+    out, the wake refused or waiting its turn) and do it."""
+    ask("wake", replica)
+    return run_next(node_agent, "wake")
+
+
+def test_sleep_frees_the_memory_and_wake_claims_it_back(contract, replica, node_agent):
+    assert sleep(node_agent, replica) is not None
     replica.refresh_from_db()
     assert replica.state == "sleeping" and replica.deployment.__class__.objects.get().state == "sleeping"
     assert not MemoryReservation.objects.exists()
-    agent.wake_replica(str(replica.public_id))
+    assert wake(node_agent, replica) is not None
     replica.refresh_from_db()
     assert replica.state == "ready"
     assert MemoryReservation.objects.get().bytes == 4 * GIB
     assert [(c["method"], c["path"]) for c in contract.calls] == [("POST", "/sleep"), ("POST", "/wake_up")]
     assert contract.calls[0]["query"] == {"level": ["1"]}
     assert {c["authorization"] for c in contract.calls} == {f"Bearer {replica_key(replica.public_id)}"}
+    jobs = NodeJob.objects.order_by("created_at", "pk").values_list("kind", "state")
+    assert list(jobs) == [("sleep", "done"), ("wake", "done")]
 
 
-def test_wake_is_refused_while_the_memory_is_taken(contract, replica):
-    agent.sleep_replica(str(replica.public_id))
+def test_wake_is_refused_while_the_memory_is_taken(contract, replica, node_agent):
+    sleep(node_agent, replica)
     node = replica.node
     node.memory_available_bytes = 2 * GIB  # someone else took the memory meanwhile
     node.save(update_fields=["memory_available_bytes"])
-    agent.wake_replica(str(replica.public_id))
+    assert wake(node_agent, replica) is None  # refused at its claim: the node is handed nothing to do
     replica.refresh_from_db()
     assert replica.state == "sleeping"
     assert "wake refused" in replica.events.order_by("-at", "-id").first().message
@@ -127,41 +159,46 @@ def hold_wake_ups(contract) -> tuple[threading.Event, threading.Event]:
 
 @pytest.fixture
 def sent(monkeypatch):
-    """The agent's dispatches, kept (this process plays the agent)."""
+    """The jobs the code queues for nodes, kept (and queued: this process plays the agent)."""
     kept: list[tuple[str, str]] = []
-    monkeypatch.setattr(queues, "to_node", lambda operation, replica: kept.append((operation, str(replica.public_id))))
+
+    def to_node(kind, replica, payload=None):
+        kept.append((kind, str(replica.public_id)))
+        return ask(kind, replica, payload)
+
+    monkeypatch.setattr(queues, "to_node", to_node)
     return kept
 
 
-def test_a_wake_with_every_slot_taken_claims_its_memory_and_waits_its_turn(contract, replica, sent):
-    agent.sleep_replica(str(replica.public_id))
+def test_a_wake_with_every_slot_taken_claims_its_memory_and_waits_its_turn(contract, replica, node_agent, sent):
+    sleep(node_agent, replica)
     loader = starting_engine(replica.node)
-    agent.wake_replica(str(replica.public_id))
+    assert wake(node_agent, replica) is None  # its claim put it in line: nothing for the node to do yet
     replica.refresh_from_db()
     assert replica.state == "sleeping" and replica.wake_requested_at and replica.waking_since is None
     assert MemoryReservation.objects.get(holder=holder_of(replica)).bytes == 4 * GIB  # claimed before it waits
     assert ("POST", "/wake_up") not in [(c["method"], c["path"]) for c in contract.calls]
     assert gate.position(replica) == 1
     assert replica.events.last().message.startswith("wake waits for a start-up slot on gpu-box (position 1; 1 starting")
-    agent.admit_next(replica.node_id)  # the slot is still taken: nobody is sent
+    node_work.admit_next(replica.node_id)  # the slot is still taken: nobody is sent
     assert sent == []
     Replica.objects.filter(pk=loader.pk).update(state="stopped")
-    agent.admit_next(replica.node_id)  # the slot freed: the wake is next in line
+    node_work.admit_next(replica.node_id)  # the slot freed: the wake is next in line
     assert sent == [("wake", str(replica.public_id))]
-    agent.wake_replica(str(replica.public_id))
+    assert run_next(node_agent, "wake") is not None  # the node claims the wake queued at its turn, and does it
     replica.refresh_from_db()
     assert replica.state == "ready" and replica.wake_requested_at is None and replica.waking_since is None
     assert MemoryReservation.objects.get(holder=holder_of(replica)).bytes == 4 * GIB
 
 
-def test_queued_starts_and_waiting_wakes_share_one_line_first_come_first_served(contract, replica, sent):
-    agent.sleep_replica(str(replica.public_id))
+def test_queued_starts_and_waiting_wakes_share_one_line_first_come_first_served(contract, replica, node_agent, sent):
+    sleep(node_agent, replica)
     node = replica.node
     starting_engine(node)
     queued = starting_engine(node, "early")
     Replica.objects.filter(pk=queued.pk).update(state="queued", queued_at=replica.created_at)
     queued.refresh_from_db()
-    agent.wake_replica(str(replica.public_id))  # asked after ``early`` queued: behind it
+    wake(node_agent, replica)  # asked after ``early`` queued: behind it
     replica.refresh_from_db()
     assert (gate.position(queued), gate.position(replica)) == (1, 2)
     assert gate.next_in_line(node.pk) == queued
@@ -174,13 +211,18 @@ def test_queued_starts_and_waiting_wakes_share_one_line_first_come_first_served(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_start_finds_a_waking_replica_holding_a_slot(contract, replica, sent):
-    agent.sleep_replica(str(replica.public_id))
+def test_a_start_finds_a_waking_replica_holding_a_slot(contract, replica, node_agent, sent):
+    sleep(node_agent, replica)
     arrived, go_on = hold_wake_ups(contract)
+    ask("wake", replica)
+    job = claim(node_agent)  # the wake takes its slot at its claim
+    assert job is not None and job.kind == "wake"
+    job.client = copy.copy(job.client)
+    job.client._http = Client()  # the worker's own test client: the main thread uses the other
 
     def wake():  # an agent worker thread, with its own database connection
         try:
-            agent.wake_replica(str(replica.public_id))
+            lifecycle.run(job, replica.node.name)
         finally:
             connection.close()
 
@@ -198,19 +240,21 @@ def test_a_start_finds_a_waking_replica_holding_a_slot(contract, replica, sent):
     finally:
         go_on.set()
         waking.join(30)
+    assert not waking.is_alive(), "the wake never ended"
     replica.refresh_from_db()
     assert replica.state == "ready"
     assert sent == [("start", str(start.public_id))]  # the wake handed its slot to the start
 
 
-def test_a_wake_that_waited_past_its_timeout_gives_up_and_stays_asleep(contract, replica, sent, settings):
-    agent.sleep_replica(str(replica.public_id))
+def test_a_wake_that_waited_past_its_timeout_gives_up_and_stays_asleep(contract, replica, node_agent, sent, settings):
+    sleep(node_agent, replica)
     starting_engine(replica.node)
-    agent.wake_replica(str(replica.public_id))
+    assert wake(node_agent, replica) is None  # in line, its memory claimed
+    assert MemoryReservation.objects.filter(holder=holder_of(replica)).exists()
     # Its deadline passes: the row says when it was asked, so that moves back rather than the test waiting.
     waited = timedelta(seconds=settings.SERVING_WAKE_TIMEOUT_SECONDS + 1)
     Replica.objects.filter(pk=replica.pk).update(wake_requested_at=replica.created_at - waited)
-    agent.admit_next(replica.node_id)  # what the heartbeat does every beat
+    node_work.admit_next(replica.node_id)  # what the heartbeat does every beat
     replica.refresh_from_db()
     assert replica.state == "sleeping" and replica.wake_requested_at is None
     assert not MemoryReservation.objects.exists()
@@ -219,9 +263,10 @@ def test_a_wake_that_waited_past_its_timeout_gives_up_and_stays_asleep(contract,
     assert gate.position(replica) is None and sent == []
 
 
-def test_the_console_says_where_a_queued_wake_stands(contract, replica, sent, personas, client, settings):
+def test_the_console_says_where_a_queued_wake_stands(contract, replica, node_agent, sent, personas, client,
+                                                     settings):
     settings.SERVING_WAKE_WAIT_SECONDS = 0  # nobody plays the agent here: the request answers at once
-    agent.sleep_replica(str(replica.public_id))
+    sleep(node_agent, replica)
     Deployment.objects.filter(pk=replica.deployment_id).update(owner=personas.acme.team)
     starting_engine(replica.node, "early")
     Replica.objects.filter(deployment__name="early").update(state="queued", queued_at=replica.created_at)

@@ -23,7 +23,7 @@ from serving.api.status import figures
 from serving.control import status
 from serving.management.commands.status import bar
 from serving.models import Deployment, DeploymentEvent, ModelEntry, Replica
-from serving.node import watchdog
+from serving.control import watchdog
 from tenancy.audit import SYSTEM
 from tenancy.services import clients
 

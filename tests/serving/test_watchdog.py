@@ -4,7 +4,7 @@ import pytest
 from django.core.cache import cache
 
 from scheduler.services import NodeReport, register_node
-from serving.node import watchdog
+from serving.control import watchdog
 from serving.deployments import service
 from serving.models import Deployment
 from tenancy.models import AuditEvent
@@ -65,7 +65,7 @@ def test_without_auto_protect_it_only_warns(node, monkeypatch, settings, caplog)
     deployment(node, "victim", 10, GIB)
     deployment(node, "important", 90, GIB)
     node.memory_available_bytes = GIB
-    with caplog.at_level("WARNING", logger="serving.node.watchdog"):
+    with caplog.at_level("WARNING", logger="serving.control.watchdog"):
         assert watchdog.check(node) == "critical"
         assert watchdog.check(node) == "critical"  # every heartbeat: still one warning a minute
     assert stopped == [] and Deployment.objects.filter(state="ready").count() == 2

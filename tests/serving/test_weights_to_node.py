@@ -4,12 +4,13 @@ checks SHA-256 against the catalog and starts; a corrupted transfer is quarantin
 starts; free disk is checked first, and copies no catalog model needs are freed for room.
 
 The "remote" node is this machine under another name, with a model directory of its own (a
-folder the control plane's files are not in); the control plane is Django's live server."""
+folder the control plane's files are not in); the control plane is Django's live server, and the
+node's agent is played in this process (``tests.assets.node_inline``): it claims the start job, whose
+payload lists the files to fetch and the copies it may free, and reports each copy as it arrives."""
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from collections import namedtuple
 from pathlib import Path
 
@@ -21,12 +22,14 @@ from scheduler.reports import HeldWeightReport, ModelDirectoryReport
 from scheduler.services import register_node
 from serving import queues
 from serving.catalog import entries, transfer
-from serving.control import placement
+from serving.control import node_work, placement
 from serving.deployments import service
 from serving.models import Deployment, ModelFile, Replica
-from serving.node import discovery, lifecycle, runtime as node_runtime, weights
+from serving.node import discovery, runtime as node_runtime, weights
+from serving.runtimes.base import Handle
 from serving.runtimes.process import ProcessRuntime
 from tenancy.audit import Actor
+from tests.assets.node_inline import InlineClient, claim, run_next
 
 ADMIN = Actor(system="tests")
 
@@ -54,17 +57,23 @@ def remote(tmp_path, db):
 
 
 @pytest.fixture
-def agent(tmp_path, settings, monkeypatch, live_server):
-    """This process as the node's agent, fetching from the live server; every engine it launched stopped after."""
-    settings.SERVING_CONTROL_URL = live_server.url
+def agent(tmp_path, settings, monkeypatch):
+    """This process as the node's agent's runtime; every engine it launched stopped after."""
     settings.SERVING_ENGINE_DIR = tmp_path / "engines"
     settings.SERVING_DRAIN_SECONDS = 0
     runtime = ProcessRuntime(tmp_path / "engines")
     monkeypatch.setattr(node_runtime, "_runtimes", {"process": runtime})
-    monkeypatch.setattr(queues, "to_node", lambda operation, replica: None)
     yield runtime
     for handle in runtime.managed():
         runtime.stop(handle, grace_seconds=5)
+
+
+@pytest.fixture
+def on_remote(remote, agent, live_server):
+    """The remote node's agent, fetching from the live server: ``on_remote()`` claims the node's next
+    job (a start) and does it with the agent's own code."""
+    client = InlineClient(remote, server=live_server.url)
+    return lambda: run_next(client, "start")
 
 
 def place_on(entry, node) -> Replica:
@@ -100,11 +109,12 @@ def test_a_node_that_holds_the_files_fetches_nothing_and_one_that_does_not_plans
 
 @pytest.mark.llama
 @pytest.mark.django_db(transaction=True)
-def test_a_replica_on_a_node_without_the_files_fetches_verifies_and_starts(held, remote, agent, llama_server_binary):
+def test_a_replica_on_a_node_without_the_files_fetches_verifies_and_starts(held, remote, agent, on_remote,
+                                                                          llama_server_binary):
     replica = place_on(held, remote)
     deployment = replica.deployment
     assert deployment.transfers and deployment.node_path.startswith(remote.model_directories.get().path)
-    lifecycle.start_replica(str(replica.public_id))
+    on_remote()
     replica.refresh_from_db()
     assert replica.state == "ready", events(replica)
     copy = Path(deployment.node_path)
@@ -114,15 +124,15 @@ def test_a_replica_on_a_node_without_the_files_fetches_verifies_and_starts(held,
     assert record.verified and not record.quarantined and record.sha256 == source_of(held).sha256
     said = events(replica)
     assert any(m.startswith("fetching weights: ") for m in said) and any("SHA-256 verified" in m for m in said)
-    assert agent.status(node_runtime.handle_of(replica)).running
+    assert agent.status(Handle(**replica.handle)).running
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_corrupted_transfer_is_quarantined_and_the_replica_does_not_start(held, remote, agent):
+def test_a_corrupted_transfer_is_quarantined_and_the_replica_does_not_start(held, remote, agent, on_remote):
     replica = place_on(held, remote)
     served = Path(source_of(held).path)
     served.write_bytes(served.read_bytes()[:-16] + b"\0" * 16)  # the bytes on the wire are not the catalog's
-    lifecycle.start_replica(str(replica.public_id))
+    on_remote()
     replica.refresh_from_db()
     assert replica.state == "failed" and "the copy is quarantined and the replica does not start" in replica.exit_reason
     copy = Path(replica.deployment.node_path)
@@ -134,13 +144,13 @@ def test_a_corrupted_transfer_is_quarantined_and_the_replica_does_not_start(held
 
 @pytest.mark.llama
 @pytest.mark.django_db(transaction=True)
-def test_a_broken_transfer_resumes_where_it_stopped(held, remote, agent, llama_server_binary):
+def test_a_broken_transfer_resumes_where_it_stopped(held, remote, agent, on_remote, llama_server_binary):
     replica = place_on(held, remote)
     copy = Path(replica.deployment.node_path)
     copy.parent.mkdir(parents=True)
     half = Path(source_of(held).path).read_bytes()[:100_000]
     copy.with_name(copy.name + ".partial").write_bytes(half)
-    lifecycle.start_replica(str(replica.public_id))
+    on_remote()
     replica.refresh_from_db()
     assert replica.state == "ready", events(replica)
     assert any("resumed at" in m for m in events(replica))
@@ -148,18 +158,22 @@ def test_a_broken_transfer_resumes_where_it_stopped(held, remote, agent, llama_s
 
 
 @pytest.mark.django_db(transaction=True)
-def test_too_little_disk_fails_naming_the_node_and_the_figures(held, remote, agent, monkeypatch):
+def test_too_little_disk_fails_naming_the_node_and_the_figures(held, remote, agent, on_remote, monkeypatch):
     replica = place_on(held, remote)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(weights.shutil, "disk_usage", lambda path: usage(10 * 2**30, 10 * 2**30, 1024))
-    lifecycle.start_replica(str(replica.public_id))
+    on_remote()
     replica.refresh_from_db()
     assert replica.state == "failed"
-    assert "remote has 0.00 GiB of disk free under" in replica.exit_reason and "the weights need" in replica.exit_reason
+    said = replica.events.get(to_state="failed").message
+    assert said.startswith("weights not on remote: ") and "has 0.00 GiB of disk free under" in said
+    assert "the weights need" in said and not agent.managed()
 
 
 @pytest.mark.django_db(transaction=True)
 def test_garbage_collection_frees_copies_no_model_needs_oldest_first_never_one_in_use(remote, tmp_path):
+    """The control plane lists the node's freeable copies in a start job (never one in use); the
+    agent frees them oldest first until it has room, and says which, so their records go."""
     root = Path(remote.model_directories.get().path)
     files = []
     for name in ("old", "newer", "used"):
@@ -170,7 +184,11 @@ def test_garbage_collection_frees_copies_no_model_needs_oldest_first_never_one_i
     used = Deployment.objects.create(name="user", model_path="/x", node=remote, state="ready",
                                      transfers=[{"to": files[2].path}])
     Replica.objects.create(deployment=used, node=remote, port=20999, state="ready")
-    assert weights.collect_garbage(remote, 1500) == 2000  # oldest first, until enough is freed
+    starting = Deployment.objects.create(name="starting", model_path="/y", node=remote, state="planned")
+    queues.to_node("start", Replica.objects.create(deployment=starting, node=remote, port=20998, state="planned"))
+    job = claim(InlineClient(remote))
+    assert job.kind == "start" and job.payload["freeable"] == [files[0].path, files[1].path]  # not the one in use
+    assert weights.collect_garbage(job, job.payload["freeable"], 1500) == 2000  # oldest first, until enough is freed
     assert not Path(files[0].path).exists() and not Path(files[1].path).exists()
     assert Path(files[2].path).exists()  # in use: kept
     assert list(ModelFile.objects.filter(node=remote).values_list("repo_path", flat=True)) == ["used.gguf"]
@@ -219,9 +237,14 @@ def test_a_node_whose_root_is_the_control_planes_uses_the_catalogs_file_and_reco
     assert node_path == source.path and [m["to"] for m in moves] == [source.path]
     deployment = Deployment.objects.create(name="tiny-remote", model_path=source.path, node=local, state="planned",
                                            node_path=node_path, transfers=moves)
-    replica = Replica.objects.create(deployment=deployment, node=local, port=20998, state="planned")
-    assert weights.ensure(replica) is True
+    queues.to_node("start", Replica.objects.create(deployment=deployment, node=local, port=20998, state="planned"))
+    job = claim(InlineClient(local, server=settings.SERVING_CONTROL_URL))
+    [move] = job.payload["transfers"]
+    assert move["catalogs_own"] and not move["recorded"]
+    weights.fetch(job, move, job.payload["freeable"])  # found there: fetching would fail
     assert list(ModelFile.objects.filter(model=held).values_list("node", flat=True)) == [None]
     ModelFile.objects.filter(pk=source.pk).update(model=None)  # even once the catalog forgets it
     ModelFile.objects.create(node=local, path=source.path, repo_path="tiny", size=source.size, sha256=source.sha256)
-    assert weights.collect_garbage(local, 10**12) == 0 and Path(source.path).exists()
+    freeable = node_work._freeable(local)  # what the next start job on the node would list
+    assert source.path not in freeable
+    assert weights.collect_garbage(job, freeable, 10**12) == 0 and Path(source.path).exists()

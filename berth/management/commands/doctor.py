@@ -21,6 +21,7 @@ from django.db import connection
 from berth import broker, health
 from scheduler import nvml
 from serving.engines import installed
+from serving.node.client import Credential, NodeApiError, NodeClient, ServerUnreachable
 from serving.runtimes.process import ProcessRuntime
 
 OK, WARNING, FAILED = "ok", "warning", "failed"
@@ -202,7 +203,41 @@ def engine_listeners(handles=None):
     return _check("engine_listeners", OK, "; ".join(found) or "managed engines run but listen on nothing yet")
 
 
-CHECKS = [database, broker_check, control_loop, engines, gpus, model_roots, clock_skew, engine_listeners]
+def node_credential():
+    """This machine's agent: its credential file, and whether the control plane it names answers and
+    accepts it (``GET /api/node/self/``)."""
+    path = Path(settings.NODE_CREDENTIAL_FILE)
+    if not path.is_file():
+        return _check("node_credential", WARNING, f"no node credential at {path}",
+                      "On a node, enrol it: `manage.py agent --server URL --token T` (a token from `manage.py nodes "
+                      "enrol` on the control plane). Nothing to do on a control plane that runs no agent.")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        return _check("node_credential", FAILED, f"{path} is readable by others (mode {mode:o})",
+                      f"chmod 600 {path}: the credential is this node's only key to the control plane.")
+    try:
+        credential = Credential.load(path)
+        client = NodeClient(credential, ca_file=settings.NODE_CA_FILE or None)
+        try:
+            found = client.get("self/")
+        finally:
+            client.close()
+    except (OSError, ValueError, KeyError) as exc:
+        return _check("node_credential", FAILED, f"{path} cannot be read: {exc}", "Enrol the node again.")
+    except ServerUnreachable as exc:
+        return _check("node_credential", FAILED, str(exc),
+                      "Start the control plane's web server, or fix the server URL (enrol again with --server), "
+                      "the network or the CA file (BERTH_NODE_CA_FILE).")
+    except NodeApiError as exc:
+        return _check("node_credential", FAILED,
+                      f"{credential.server} refuses the credential: {exc.message} ({exc.code})",
+                      f"Enrol the node again: `manage.py nodes enrol --existing {credential.node}` on the control "
+                      "plane, then `manage.py agent --server URL --token T` here.")
+    return _check("node_credential", OK, f"{credential.server} knows this node as {found['name']} ({found['state']})")
+
+
+CHECKS = [database, broker_check, control_loop, engines, gpus, model_roots, clock_skew, engine_listeners,
+          node_credential]
 
 
 def run_checks() -> list[dict]:

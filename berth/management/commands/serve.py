@@ -1,7 +1,8 @@
 import http.client
-import os
+import socket
 import sys
 import urllib.request
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -9,7 +10,10 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 
 from berth.supervisor import Supervisor
 from berth.web import uvicorn_command
+from scheduler import enrolment
+from serving.node.client import CLUSTER_SETTINGS, Credential
 from serving.models import Deployment, DeploymentState
+from tenancy.audit import Actor
 
 
 class Command(BaseCommand):
@@ -45,15 +49,34 @@ class Command(BaseCommand):
             programs["beat"] = [*celery, "beat", "--loglevel", level,
                                 "--scheduler", "django_celery_beat.schedulers:DatabaseScheduler"]
 
-        if not no_agent:
-            programs["agent"] = [python, str(settings.BASE_DIR / "manage.py"), "agent"]
-
         shown_host = f"[{host}]" if ":" in host else host
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown_host}:{port}/"
-        # The agent it runs fetches the mirror's weights from this web server (serving.node.weights).
-        os.environ.setdefault("BERTH_CONTROL_URL", url.rstrip("/"))
+        if not no_agent:
+            # This machine's agent talks to this web server over loopback, with a credential of its own
+            # (the same node API, the same code path, as every other node's).
+            credential = local_agent_credential(url.rstrip("/"), self.stderr)
+            unset = [arg for name in CLUSTER_SETTINGS for arg in ("-u", name, "-u", f"{name}_FILE")]
+            programs["agent"] = ["env", *unset, python, str(settings.BASE_DIR / "manage.py"), "agent",
+                                 "--credential-file", str(credential)]
         supervisor = Supervisor(programs, out=self.stdout)
         supervisor.run(on_tick=Announcer(url, supervisor.write, self.style))
+
+
+def local_agent_credential(server: str, err) -> Path:
+    """A fresh credential for this machine's own node, written where its agent reads it (mode 0600).
+    With the database away the one written before is used (the agent waits for the server anyway)."""
+    path = Path(settings.NODE_CREDENTIAL_FILE)
+    name = settings.NODE_NAME or socket.gethostname()
+    try:
+        secret = enrolment.issue_credential(Actor(system="serve"), name, address=settings.NODE_ADDRESS)
+    except (InterfaceError, OperationalError) as error:
+        if not path.is_file():
+            raise CommandError(f"The database does not answer ({error}), and this machine's agent has no credential "
+                               f"yet at {path}: start serve again once the database is up.") from None
+        err.write(f"The database does not answer ({error}); this machine's agent uses its credential of before.")
+        return path
+    Credential(server=server, node=name, credential=secret).save(path)
+    return path
 
 
 def ready_model_names() -> list[str]:

@@ -2,7 +2,9 @@
 load, for SmolLM2 and a generated model, through the process and Docker runtimes.
 
 Baseline measured in the same run: the same engine started directly (spawn → /health 200 → one
-real request), which is the engine's own load time with nothing of Berth around it.
+real request), which is the engine's own load time with nothing of Berth around it. The deploy
+reaches the node as every deploy does: a job its agent (holding only its credential) claims through
+the node API of a web server the benchmark starts on loopback.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import httpx
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from berth.web import uvicorn_command
+from scheduler import enrolment
 from scheduler.models import Node
 from serving.deployments import service
 from serving.engines.installed import llama_server_path
 from serving.models import Deployment
+from serving.node.client import CLUSTER_SETTINGS, Credential
 from tenancy.audit import Actor
 
 ACTOR = Actor(system="bench")
@@ -56,7 +61,8 @@ class Command(BaseCommand):
         root.mkdir(parents=True, exist_ok=True)
         models = self._models(root)
         node_name = f"bench-{os.getpid()}"
-        agent = self._agent(node_name)
+        scratch = Path(tempfile.mkdtemp(prefix="berth-bench-"))
+        processes = self._agent(node_name, scratch)
         rows = []
         try:
             wait(lambda: Node.objects.filter(name=node_name, last_heartbeat_at__isnull=False).exists(), 60,
@@ -74,8 +80,10 @@ class Command(BaseCommand):
                         overheads.append(total - load)
                     rows.append((runtime, label, totals, loads, overheads))
         finally:
-            agent.send_signal(signal.SIGTERM)
-            agent.wait(timeout=60)
+            for process in processes:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=60)
+            shutil.rmtree(scratch, ignore_errors=True)
         self._print(rows, runs)
 
     def _models(self, root: Path):
@@ -89,10 +97,25 @@ class Command(BaseCommand):
                                                                          kv_heads=2, context=2048))
         return [("SmolLM2-135M Q4_1", smollm2), ("generated 8L e256", generated)]
 
-    def _agent(self, node_name: str) -> subprocess.Popen:
-        env = dict(os.environ, BERTH_HEARTBEAT_SECONDS="1")
-        return subprocess.Popen([sys.executable, str(settings.BASE_DIR / "manage.py"), "agent", "--node", node_name],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    def _agent(self, node_name: str, scratch: Path) -> list[subprocess.Popen]:
+        """This machine's web server (the node API) and an agent that holds only its own credential,
+        as every node's: what a deploy reaches a node through."""
+        from tests.assets.llama_server import free_port
+
+        port = free_port()
+        server = f"http://127.0.0.1:{port}"
+        web = subprocess.Popen(uvicorn_command("127.0.0.1", port), cwd=settings.BASE_DIR, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+        credential = scratch / "credential"
+        Credential(server=server, node=node_name, credential=enrolment.issue_credential(
+            ACTOR, node_name, address=settings.NODE_ADDRESS)).save(credential)
+        env = {key: value for key, value in os.environ.items() if key not in CLUSTER_SETTINGS}
+        env.update(BERTH_HEARTBEAT_SECONDS="1", BERTH_DATA_DIR=str(scratch / "agent-data"))
+        wait(lambda: _answers(server + "/healthz"), 60, "the web server")
+        agent = subprocess.Popen([sys.executable, str(settings.BASE_DIR / "manage.py"), "agent", "--credential-file",
+                                  str(credential)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+        return [agent, web]
 
     def _direct(self, binary: Path, model: Path) -> float:
         """The engine alone: spawn → health → one real request, as the agent's readiness test does."""
@@ -146,6 +169,13 @@ class Command(BaseCommand):
         worst = max(statistics.median(o) for p, _, _, _, o in rows if not p.startswith("direct"))
         verdict = "meets" if worst < 0.3 else "misses"
         self.stdout.write(f"\nBerth's own overhead, worst median: {worst * 1000:.0f} ms — {verdict} the 300 ms target.")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code < 500
+    except httpx.HTTPError:
+        return False
 
 
 def _ok(url: str) -> bool:

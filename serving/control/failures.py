@@ -15,41 +15,32 @@ from scheduler.nvml import LoadMemory
 from scheduler.policy import recovery
 from scheduler.policy.calibration import ExitClassification
 from serving.deployments import states
-from serving.deployments.service import accelerators_of
+from serving.deployments.states import accelerators_of
 from serving.engines.registry import estimation_config
 from serving.models import Deployment, DeploymentState as S, ModelEntry, Replica
-from serving.node.runtime import handle_of, runtime_for
-from serving.runtimes.base import Exit, Handle
+from serving.runtimes.base import Exit
 
 log = logging.getLogger(__name__)
 
 
-def fail(replica: Replica, message: str, *, handle: Handle | None = None, exit: Exit | None = None,
-         launch_failure: str = "") -> None:
-    """Remove a failed engine, keep its log tail, give back what it held, learn from an OOM.
+def record(replica: Replica, message: str, *, log_tail: str = "", exit: Exit | None = None,
+           launch_failure: str = "") -> bool:
+    """Record the failure: the replica failed with its engine's log tail (the node sent it, having
+    stopped the engine), what it held given back; an OOM taught to the estimator.
 
     ``launch_failure`` says the replica never became ready and how: "crash" (the engine exited
     while loading, or the runtime could not start it; an exit with out-of-memory evidence makes it
     "oom") or "hang" (not ready within the start-up timeout). The recovery ladder counts those;
     the rest (no room at its turn, the queue timeout, an agent restart, a stop) are not the
-    model's fault and leave it alone."""
-    handle = handle or handle_of(replica)
-    tail = ""
-    if handle is not None:
-        runtime = runtime_for(handle.runtime)
-        try:
-            tail = runtime.logs(handle, lines=200)
-            stopped = runtime.stop(handle, grace_seconds=10)
-            exit = exit or stopped
-        except Exception as error:  # keep failing the record even if the runtime misbehaves
-            log.warning("cleaning up %s: %s", replica, error)
-    moved = states.move(replica, S.FAILED, message, log_tail=tail, exit_reason=message[:300])  # gives back what it held
+    model's fault and leave it alone. False when another worker moved the replica first."""
+    moved = states.move(replica, S.FAILED, message, log_tail=log_tail, exit_reason=message[:300])  # gives back
     if moved:
         if exit is not None and exit.out_of_memory:
             _record_oom(replica, exit)
         if launch_failure:
             _note_launch_failure(replica, "oom" if exit is not None and exit.out_of_memory else launch_failure,
                                  message)
+    return moved
 
 
 def _note_launch_failure(replica: Replica, kind: str, message: str) -> None:
@@ -79,7 +70,7 @@ def calibrate(replica: Replica, peak: int | None, gpu: LoadMemory | None = None)
         log.info("no calibration record for %s: it loaded a draft model too", replica)
         return
     try:
-        shape = read_model(deployment.path_on_node)
+        shape = read_model(deployment.model_path)  # the control plane reads its own copy
         config, device, accelerator = _launch(deployment)
         if device == "cpu":
             measured, how, why = peak, CalibrationRecord.Measurement.PEAK_RSS, "its peak resident memory was not read"
@@ -117,7 +108,7 @@ def _record_oom(replica: Replica, exit: Exit) -> None:
     if deployment.config.get("draft_model"):
         return  # two models' memory: not evidence about either one's estimate (the ladder still counts it)
     try:
-        shape = read_model(deployment.path_on_node)
+        shape = read_model(deployment.model_path)  # the control plane reads its own copy
         config, device, _accelerator = _launch(deployment)  # keyed as its estimates are, so they meet
         source = "docker" if "docker" in (exit.oom_evidence or "").lower() else "kernel"
         memory.record_failure(shape, deployment.engine, _engine_version(replica), config, device,

@@ -1,6 +1,7 @@
-"""After an agent restart: what an earlier agent left on this node is taken over — engines still
+"""After an agent restart: what an earlier agent left on its node is taken over — engines still
 loading are watched again, interrupted starts failed, interrupted stops finished, and managed
-engines running without any record adopted as ``unknown`` so a person sees them.
+engines running without any record adopted as ``unknown`` so a person sees them. The agent's first
+heartbeat says which engines run there (``seen``); what must be stopped is asked of it as jobs.
 
 A node back from lost (``take_back``). While its heartbeats were missing, the control loop failed
 its replicas ("node … is lost", written on the row's ``exit_reason`` by ``serving.control.reconcile``)
@@ -36,13 +37,12 @@ from berth.errors import BerthError
 from scheduler import memory
 from scheduler.models import Node
 from serving import queues
-from serving.deployments import states
-from serving.deployments.service import accelerators_of
+from serving.control import failures, node_work
+from serving.deployments import states, stopping
+from serving.deployments.states import accelerators_of
 from serving.models import Deployment, DeploymentEvent, DeploymentState as S, Replica
 from serving.models.states import HOLDING, SERVING, TERMINAL
-from serving.node import failures
-from serving.node.runtime import handle_of, runtime_for
-from serving.runtimes.base import Handle
+from serving.runtimes.base import EngineSeen, Handle
 from tenancy.services import contracts
 
 log = logging.getLogger(__name__)
@@ -52,64 +52,76 @@ LOST = "node {name} is lost (no heartbeat)"
 TAKEN_BACK = "taken back: its node came back and its engine still runs (its memory and contract share claimed again)"
 
 
-def adopt(node: Node) -> None:
-    """After an agent restart: loading engines whose process still runs are watched again; starts
-    interrupted before their engine was up are failed, and stops interrupted are finished (what
-    they held is given back, the engine is stopped); managed engines running without any record
-    are adopted as ``unknown`` so a person sees and can stop them; replicas failed while the node
-    was lost are taken back or have their engines stopped (``take_back``), and an engine still
-    running for a replica that ended otherwise is stopped."""
-    managed = _managed()
-    adopt_orphans(node, managed)
-    _stop_engines_of_ended(node, managed)
-    take_back(node, managed)
+def adopt(node: Node, seen: dict[str, EngineSeen]) -> None:
+    """After an agent restart (``seen``: the managed engines it found, by replica id): loading
+    engines that still run are watched again; starts interrupted before their engine was up are
+    failed, and stops interrupted are finished (what they held is given back, the engine is
+    stopped); managed engines running without any record are adopted as ``unknown`` so a person
+    sees and can stop them; replicas failed while the node was lost are taken back or have their
+    engines stopped (``take_back``), and an engine still running for a replica that ended otherwise
+    is stopped."""
+    running = {replica_id: engine for replica_id, engine in seen.items() if engine.running}
+    adopt_orphans(node, list(running.values()))
+    _stop_engines_of_ended(node, running)
+    take_back(node, seen)
     # A start interrupted between launching its engine and recording the handle left that engine
     # running with no handle on the row: the runtime still finds it by the replica's id.
-    launched = {handle.replica_id: handle for handle in managed}
     for replica in Replica.objects.select_related("deployment", "node").filter(
             node=node, state__in=(S.STARTING, S.LOADING, S.STOPPING)):
-        handle = handle_of(replica) or launched.get(str(replica.public_id))
+        engine = seen.get(str(replica.public_id))
+        handle = engine.handle if engine is not None and engine.running else None
         if replica.state == S.STOPPING:
-            exit = runtime_for(handle.runtime).stop(handle) if handle else None
-            states.move(replica, S.STOPPED, "stopped once the agent restarted" + (f" ({exit.describe()})" if exit else ""))
-        elif replica.state == S.LOADING and handle is not None and runtime_for(handle.runtime).status(handle).running:
-            queues.to_node("watch", replica)
+            if handle is not None:
+                stopping.stop_engine(replica, handle, {"state": S.STOPPED,
+                                                       "message": "stopped once the agent restarted"})
+            else:
+                states.move(replica, S.STOPPED, "stopped once the agent restarted")
+        elif replica.state == S.LOADING and handle is not None:
+            queues.to_node(node_work.WATCH, replica)
         else:
-            failures.fail(replica, "the agent restarted before the engine was up", handle=handle)
+            _fail(replica, "the agent restarted before the engine was up", engine)
 
 
-def take_back(node: Node, managed: list[Handle] | None = None) -> list[Replica]:
+def take_back(node: Node, seen: dict[str, EngineSeen]) -> list[Replica]:
     """The node is back: its replicas failed because it was lost are taken back or have their
-    engines stopped (the rule is the module's). ``managed``: the engines found running, when the
-    caller listed them (start-up); the beat lists them only for a replica that has no handle (lost
-    while its engine launched). Returns the replicas taken back."""
-    found = {h.replica_id: h for h in managed} if managed is not None else None
+    engines stopped (the rule is the module's). ``seen``: the engines the node reported, by replica
+    id; a replica whose engine it did not report is left for a beat that does. Returns the
+    replicas taken back."""
     taken = []
     for replica in Replica.objects.select_related("deployment", "node").filter(
             node=node, state=S.FAILED, exit_reason__startswith=LOST.format(name=node.name)):
-        handle = handle_of(replica)
-        if handle is None:
-            found = found if found is not None else {h.replica_id: h for h in _managed()}
-            handle = found.get(str(replica.public_id))
-        status = runtime_for(handle.runtime).status(handle) if handle is not None else None
-        if status is None or not status.running:
-            ended = status.exit.describe() if status is not None and status.exit else "vanished"
-            failures.fail(replica, f"its node came back; its engine no longer runs ({ended})", handle=handle)
+        engine = seen.get(str(replica.public_id))
+        if engine is None and replica.handle:
+            continue  # not reported this beat: the next one says
+        if stopping.stopping(replica):
+            continue  # its engine is being stopped already: settled once that job ends
+        if engine is None or not engine.running:
+            ended = engine.exit.describe() if engine is not None and engine.exit else "vanished"
+            _fail(replica, f"its node came back; its engine no longer runs ({ended})", engine)
             continue
         was = _state_when_lost(replica)
         if was != S.READY:
-            failures.fail(replica, f"its node came back but its engine was stopped: the replica was {was or 'unknown'} "
-                                   "when the node was lost, and only a ready one is taken back", handle=handle)
+            _fail(replica, f"its node came back but its engine was stopped: the replica was {was or 'unknown'} "
+                           "when the node was lost, and only a ready one is taken back", engine)
             continue
-        refusal = _reclaim(replica, handle)
+        refusal = _reclaim(replica, engine.handle)
         if refusal is None:
             continue  # settled meanwhile by another pass of this rule
         if refusal:
-            failures.fail(replica, f"its node came back but its engine was stopped: {refusal}", handle=handle)
+            _fail(replica, f"its node came back but its engine was stopped: {refusal}", engine)
         else:
             log.info("%s taken back: its engine still runs", replica)
             taken.append(replica)
     return taken
+
+
+def _fail(replica: Replica, message: str, engine: EngineSeen | None) -> None:
+    """The replica's failure: its engine (still running) stopped by the node first, its log tail kept."""
+    if engine is not None and engine.running:
+        node_work.fail(replica, message, handle=engine.handle)
+    else:
+        failures.record(replica, message, log_tail=engine.log_tail if engine else "",
+                        exit=engine.exit if engine else None)
 
 
 def _state_when_lost(replica: Replica) -> str:
@@ -163,49 +175,36 @@ def _reclaim(replica: Replica, handle: Handle) -> str | None:
     return ""
 
 
-def _stop_engines_of_ended(node: Node, managed: list[Handle]) -> None:
+def _stop_engines_of_ended(node: Node, running: dict[str, EngineSeen]) -> None:
     """At start-up: a managed engine still running for a replica that ended (not through its node's
-    loss: ``take_back`` had those) serves nobody and holds memory nothing accounts for: stopped."""
-    running = {h.replica_id: h for h in managed if _is_id(h.replica_id)}
-    for replica in Replica.objects.select_related("deployment").filter(
-            node=node, public_id__in=list(running), state__in=TERMINAL) \
+    loss: ``take_back`` has those) serves nobody and holds memory nothing accounts for: stopped."""
+    for replica in Replica.objects.select_related("deployment", "node").filter(
+            node=node, public_id__in=[r for r in running if _is_id(r)], state__in=TERMINAL) \
             .exclude(state=S.FAILED, exit_reason__startswith=LOST.format(name=node.name)):
-        exit = runtime_for(running[str(replica.public_id)].runtime).stop(running[str(replica.public_id)])
-        DeploymentEvent.objects.create(
-            deployment=replica.deployment, replica=replica, from_state=replica.state, to_state=replica.state,
-            message=f"its engine still ran after it had {replica.state}; stopped once the agent restarted"
-                    + (f" ({exit.describe()})" if exit else ""))
+        stopping.stop_engine(replica, running[str(replica.public_id)].handle, {
+            "state": "", "message": f"its engine still ran after it had {replica.state}; stopped once the agent "
+                                    "restarted"})
 
 
-def _managed() -> list[Handle]:
-    """Every managed engine running on this node, of either runtime."""
-    handles = []
-    for kind in ("process", "docker"):
-        try:
-            handles += runtime_for(kind).managed()
-        except Exception as error:  # a runtime this node does not have (no Docker daemon): nothing of it runs
-            log.info("no %s engines to adopt: %s", kind, error)
-    return handles
-
-
-def adopt_orphans(node: Node, handles: list[Handle]) -> list[Replica]:
+def adopt_orphans(node: Node, engines: list[EngineSeen]) -> list[Replica]:
     adopted = []
-    known = {str(r) for r in Replica.objects.filter(public_id__in=[h.replica_id for h in handles if _is_id(h.replica_id)])
+    known = {str(r) for r in Replica.objects.filter(public_id__in=[e.handle.replica_id for e in engines
+                                                                   if _is_id(e.handle.replica_id)])
              .values_list("public_id", flat=True)}
-    for handle in handles:
+    for engine in engines:
+        handle = engine.handle
         if not _is_id(handle.replica_id) or handle.replica_id in known:
             continue
-        name, port = _served_name_and_port(handle)
-        if port is None:
+        if engine.port is None:
             log.warning("a managed engine (%s) runs without a record and without a readable port", handle)
             continue
         with transaction.atomic():
             deployment = Deployment.objects.create(
-                name=name or f"unknown-{handle.replica_id[:8]}", model_path="", node=node,
+                name=engine.served_name or f"unknown-{handle.replica_id[:8]}", model_path="", node=node,
                 runtime=handle.runtime, state=S.UNKNOWN,
                 state_detail="found running without a record: adopted; stop it or leave it")
             adopted.append(Replica.objects.create(public_id=handle.replica_id, deployment=deployment, node=node,
-                                                  port=port, state=S.UNKNOWN, handle=dataclasses.asdict(handle)))
+                                                  port=engine.port, state=S.UNKNOWN, handle=dataclasses.asdict(handle)))
             DeploymentEvent.objects.create(deployment=deployment, replica=adopted[-1], to_state=S.UNKNOWN,
                                            message="a managed engine found running without a record")
     return adopted
@@ -217,20 +216,3 @@ def _is_id(value: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _served_name_and_port(handle: Handle) -> tuple[str, int | None]:
-    """What the engine serves and where, from its own command line (the only record left)."""
-    argv: list[str] = []
-    if handle.runtime == "process" and handle.pid:
-        try:
-            argv = open(f"/proc/{handle.pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-        except OSError:
-            return "", None
-    elif handle.runtime == "docker" and handle.container_id:
-        container = runtime_for("docker").client.containers.get(handle.container_id)
-        argv = list(container.attrs.get("Args") or [])
-    def after(flag):
-        return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else ""
-    port = after("--port")
-    return after("--alias") or after("--served-model-name"), int(port) if port.isdigit() else None
