@@ -47,9 +47,11 @@ class Job:
                                                              "data": data or {}}) or {}
 
     def complete(self, result: dict | None = None) -> dict:
+        log.info("%s: %s", self, (result or {}).get("outcome") or "done")
         return self.client.post(f"jobs/{self.id}/complete/", {"lease": self.lease, "result": result or {}}) or {}
 
     def fail(self, error: str, details: dict | None = None) -> dict:
+        log.warning("%s failed: %s", self, error[:500])
         return self.client.post(f"jobs/{self.id}/fail/", {"lease": self.lease, "error": error[:2000],
                                                            "details": details or {}}) or {}
 

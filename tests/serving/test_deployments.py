@@ -188,19 +188,26 @@ def test_docker_runtime_deploys_a_ready_container(agent, model_root, tiny_model)
     assert not docker.from_env().containers.list(all=True, filters={"label": f"berth.replica={replica.public_id}"})
 
 
-def test_a_queued_deploy_that_no_longer_fits_at_its_turn_fails_with_the_reason(agent, model_root, smollm2_model,
-                                                                                tiny_model):
+def test_a_queued_deploy_that_no_longer_fits_at_its_turn_fails_with_the_reason(agent, model_root, tiny_model):
     from scheduler.models import MemoryReservation
+    from serving.deployments import states
 
-    first = deploy("first", Path(shutil.copy(smollm2_model, model_root / "smol.gguf")))
+    # Another engine holds the node's one start-up slot: a replica starting there (two deploys racing
+    # for it would take it in whichever order their agents' claims land).
+    busy = Deployment.objects.create(name="slot-holder", model_path=str(tiny_model), node=_node(), state="starting")
+    holder = Replica.objects.create(deployment=busy, node=_node(), port=29999, state="starting")
     second = deploy("second", Path(shutil.copy(tiny_model, model_root / "tiny.gguf")))
-    wait_until(lambda: state_of(second) == "queued", 30, what="the second deploy queued behind the first")
-    # While it waits, something else takes the node's memory.
+    try:
+        wait_until(lambda: state_of(second) == "queued", 30, what="the deploy queued behind the starting one")
+    except TimeoutError:  # what happened instead: each deployment's events
+        pytest.fail(str(list(DeploymentEvent.objects.order_by("at", "id").values_list("deployment__name", "message"))))
+    # While it waits, something else takes the node's memory; then the slot frees.
     MemoryReservation.objects.create(node=_node(), holder="elsewhere", bytes=_node().memory_total_bytes)
-    wait_until(lambda: state_of(second) == "failed", 120, what="the second deploy failed at its turn")
+    states.move(holder, "failed", "the engine holding the slot failed")
+    wait_until(lambda: state_of(second) == "failed", 30, what="the queued deploy failed at its turn")
     assert "no longer fits at its turn" in second.events.get(to_state="failed").message
+    assert not second.replica_set.get().handle  # it never launched
     MemoryReservation.objects.filter(holder="elsewhere").delete()
-    wait_until(lambda: state_of(first) == "ready", 120, what="the first one ready")
 
 
 def test_an_engine_running_without_a_record_is_adopted_as_unknown(tmp_path, model_root, node, tiny_model,
