@@ -13,6 +13,7 @@ from django.core.cache import cache
 from django.db import IntegrityError, transaction
 
 from berth.celery import app
+from serving import events
 from serving.models import NodeJob
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,21 @@ def enqueue(node, kind: str, *, key: str, replica=None, payload: dict | None = N
         if existing is None:
             raise
         return existing
-    transaction.on_commit(_node_job_queued, robust=True)
+    transaction.on_commit(lambda: node_job_queued_for(node.pk), robust=True)
     return job
 
 
-def _node_job_queued() -> None:
+def node_jobs_channel(node_id: int) -> str:
+    """Where a job queued for a node is announced, so its agent's waiting claims look at once."""
+    return f"berth:node-jobs:{node_id}"
+
+
+def node_job_queued_for(node_id: int) -> None:
+    """A job was queued for the node: claims waiting in this process hear it at once, those of other
+    processes over Redis (without Redis, at their next look)."""
     with node_job_queued:
         node_job_queued.notify_all()
+    events.publish(node_jobs_channel(node_id), "1")
 
 
 def to_node(kind: str, replica, payload: dict | None = None):

@@ -25,6 +25,7 @@ conditional on the lease it presents.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -35,6 +36,7 @@ import uuid
 from datetime import timedelta
 from typing import Any, Callable
 
+import redis
 from django.conf import settings
 from django.core.cache import cache
 from django.db import transaction
@@ -48,7 +50,9 @@ from serving.models import NodeJob
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.05  # how often a waiting claim looks again for work queued by another process
+POLL_SECONDS = 0.05  # how often a waiting claim looks again for work queued by another process (no Redis)
+REDIS_LOOK_SECONDS = 1.0  # with Redis, announcements wake a claim; this look covers one that was lost
+MAX_CLAIM_SECONDS = 60  # no claim waits longer (the API allows 30 s)
 LEASE_PREFIX = "bnl_"
 
 
@@ -109,11 +113,6 @@ def _handler(kind: str) -> Handler:
 _queued = queues.node_job_queued
 
 
-def _wake_waiting_claims() -> None:
-    with _queued:
-        _queued.notify_all()
-
-
 def enqueue(node, kind: str, *, key: str, replica=None, payload: dict | None = None, priority: int | None = None,
             available_at=None, max_attempts: int = 3) -> NodeJob:
     """``queues.enqueue``, for a kind someone handles: a kind nobody handles is a bug of the caller,
@@ -164,22 +163,58 @@ def claim(node, *, wait_seconds: float, agent: str = "") -> tuple[NodeJob, str] 
     not keep (an engine's key travels with the claim only): never save it."""
     deadline = time.monotonic() + max(0.0, float(wait_seconds))
     expire_leases(node)
-    while True:
-        if agent and superseded(node, agent):
-            return None
-        claimed = _claim_once(node)
-        if claimed is not None:
-            return claimed
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        _wait(min(POLL_SECONDS, left))
+    with _announcements(node) as wait:
+        while True:
+            if agent and superseded(node, agent):
+                return None
+            claimed = _claim_once(node)
+            if claimed is not None:
+                return claimed
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            wait(left)
 
 
-def _wait(seconds: float) -> None:
-    """Until a job is queued in this process, or ``seconds`` (the next look for other processes')."""
-    with _queued:
-        _queued.wait(seconds)
+@contextlib.contextmanager
+def _announcements(node):
+    """``wait(seconds)``: until a job for ``node`` is announced, or the next look is due. With Redis,
+    announcements come over pub/sub (subscribed before the first look, so none is missed), and a look
+    every ``REDIS_LOOK_SECONDS`` covers one lost; without it, this process's own are heard at once
+    and other processes' at the next look (``POLL_SECONDS``)."""
+    url = getattr(settings, "REDIS_URL", None)
+    if not url:
+        def wait(left: float) -> None:
+            with _queued:
+                _queued.wait(min(POLL_SECONDS, left))
+
+        yield wait
+        return
+    client = redis.Redis.from_url(url, socket_timeout=MAX_CLAIM_SECONDS, socket_connect_timeout=2)
+    subscription = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        subscription.subscribe(queues.node_jobs_channel(node.pk))
+    except redis.RedisError as error:  # Redis away: looked at as without it
+        log.warning("node jobs: no announcements for %s (%s); looking every %ss", node.name, error, POLL_SECONDS)
+        subscription = None
+
+    def wait(left: float) -> None:
+        if subscription is None:
+            time.sleep(min(POLL_SECONDS, left))
+            return
+        try:
+            subscription.get_message(timeout=min(REDIS_LOOK_SECONDS, left))
+        except redis.RedisError:
+            time.sleep(min(POLL_SECONDS, left))
+
+    try:
+        yield wait
+    finally:
+        try:
+            if subscription is not None:
+                subscription.close()
+        finally:
+            client.close()
 
 
 def _claim_once(node) -> tuple[NodeJob, str] | None:
@@ -337,14 +372,17 @@ def expire_leases(node=None) -> int:
     expired = NodeJob.objects.filter(state=NodeJob.State.LEASED, lease_expires_at__lte=now)
     if node is not None:
         expired = expired.filter(node=node)
-    count = 0
+    count, nodes = 0, set()
     for job in expired.select_related("node").order_by("lease_expires_at"):
         lapsed = NodeJob.objects.filter(pk=job.pk, state=NodeJob.State.LEASED, lease_digest=job.lease_digest,
                                         lease_expires_at__lte=now)
         with transaction.atomic():
             if job.attempts < job.max_attempts:
-                count += lapsed.update(state=NodeJob.State.QUEUED, lease_digest="", leased_at=None,
-                                       lease_expires_at=None, error=f"lease expired (attempt {job.attempts})")
+                returned = lapsed.update(state=NodeJob.State.QUEUED, lease_digest="", leased_at=None,
+                                         lease_expires_at=None, error=f"lease expired (attempt {job.attempts})")
+                count += returned
+                if returned:
+                    nodes.add(job.node_id)
                 continue
             error = (f"lease expired: {job.node.name} stopped extending it (attempt {job.attempts} "
                      f"of {job.max_attempts})")
@@ -357,7 +395,8 @@ def expire_leases(node=None) -> int:
                 handler.fail(job, error, {"reason": "lease_expired", "attempts": job.attempts})
     if count:
         log.info("node jobs: %d expired lease(s) returned to the queue or failed", count)
-        transaction.on_commit(_wake_waiting_claims, robust=True)
+    for node_id in nodes:  # their claims look again at once
+        transaction.on_commit(lambda node_id=node_id: queues.node_job_queued_for(node_id), robust=True)
     return count
 
 
@@ -368,7 +407,7 @@ def return_leases(node, why: str) -> int:
     returned = NodeJob.objects.filter(node=node, state=NodeJob.State.LEASED).update(
         state=NodeJob.State.QUEUED, lease_digest="", leased_at=None, lease_expires_at=None, error=why[:10_000])
     if returned:
-        transaction.on_commit(_wake_waiting_claims, robust=True)
+        transaction.on_commit(lambda: queues.node_job_queued_for(node.pk), robust=True)
     return returned
 
 

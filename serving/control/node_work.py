@@ -104,11 +104,16 @@ def _replica(job: NodeJob) -> Replica | None:
 # -- start and watch -----------------------------------------------------------------------------
 
 def _start_claimed(job: NodeJob) -> dict | None:
+    """A start that needs no weights takes its turn at the gate at once (one round trip fewer); one
+    that does names them, and asks to be admitted once they are here."""
     replica = _replica(job)
     if replica is None or replica.state not in BEFORE_START:
         return None  # stopped before its start came, or started by another job
+    if not replica.deployment.transfers:
+        admitted = _admit(replica)
+        return {"replica": str(replica.public_id), "launch": admitted} if admitted["admitted"] else None
     return {"replica": str(replica.public_id), "transfers": [_transfer(replica, move)
-                                                             for move in replica.deployment.transfers or ()],
+                                                             for move in replica.deployment.transfers],
             "freeable": _freeable(replica.node)}
 
 
@@ -169,6 +174,7 @@ def _admit(replica: Replica) -> dict:
                               accelerators_of(deployment), description=f"{deployment.name} ({deployment.engine})")
     except BerthError as error:
         failures.record(replica, f"no longer fits at its turn: {error.message}")
+        transaction.on_commit(lambda: admit_next(replica.node_id))  # it will not start: the next in line may
         return {"admitted": False}
     return {"admitted": True, **_launch(replica)}
 
@@ -204,16 +210,17 @@ def _loaded(job: NodeJob, result: dict) -> dict:
     """A start or watch ended on the node: ready (what the load took is taught to the estimator),
     queued (not admitted), or its engine stopped because the replica was stopped while it started."""
     replica = _replica(job)
-    if replica is None:
-        return {}
+    outcome = result.get("outcome")
+    if replica is None or outcome == "queued":
+        return {}  # (queued: it waits its turn, and ``admit_next`` sends it again then)
     try:
-        outcome = result.get("outcome")
         if outcome == "ready" and replica.state == S.LOADING:  # (not stopped while it loaded)
             peak = result.get("peak_memory_bytes")
             if states.move(replica, S.READY, "health answered and a real request succeeded", peak_memory_bytes=peak):
                 recovery_service.note_success(replica.deployment.name)
-                failures.calibrate(replica, peak, _gpu_taken(replica, result.get("gpu"))
-                                   if replica.deployment.gpu_uuids else None)
+                # What the load taught, once it is ready for all to see (reading the model takes a while).
+                transaction.on_commit(lambda: failures.calibrate(replica, peak, _gpu_taken(replica, result.get("gpu"))
+                                                                 if replica.deployment.gpu_uuids else None))
         elif outcome == "stopped":
             _finish_stop_while_starting(replica)
     finally:

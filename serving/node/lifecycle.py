@@ -66,7 +66,11 @@ def run(job: Job, node_name: str) -> None:
 
 def start(job: Job, node_name: str) -> None:
     """The weights the node lacks first, before a start-up slot is taken (a long transfer must not
-    hold the node's other starts back); then the turn at the gate; then the launch and the watch."""
+    hold the node's other starts back); then the turn at the gate; then the launch and the watch. A
+    start that needs no weights was admitted at its claim: its launch came with it."""
+    if job.payload.get("launch"):
+        _launch_and_watch(job, job.payload["launch"])
+        return
     try:
         for move in job.payload.get("transfers") or ():
             weights.fetch(job, move, job.payload.get("freeable") or ())

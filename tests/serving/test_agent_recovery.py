@@ -139,12 +139,12 @@ def test_no_room_at_its_turn_is_not_the_models_failure(node, model_root, tiny_mo
     replica = _replica(node, model_root, tiny_model, "crowded", "planned",
                        memory_reserved_bytes=(node.memory_total_bytes or 2**40) * 4)
     job = queues.to_node("start", replica)
-    run_next(InlineClient(node), "start")  # the agent asks to be admitted: at its turn, it no longer fits
+    assert run_next(InlineClient(node), "start") is None  # admitted at its claim: at its turn, it no longer fits
     replica.refresh_from_db()
     assert replica.state == "failed" and "no longer fits at its turn" in replica.exit_reason
     assert recovery_of("crowded") is None
     job.refresh_from_db()
-    assert (job.state, job.result) == ("done", {"outcome": "queued"})  # nothing was launched
+    assert job.state == "cancelled"  # nothing was handed to the node, nothing launched
 
 
 @pytest.mark.django_db

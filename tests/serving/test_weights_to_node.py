@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import namedtuple
+import uuid
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,10 @@ def test_garbage_collection_frees_copies_no_model_needs_oldest_first_never_one_i
     used = Deployment.objects.create(name="user", model_path="/x", node=remote, state="ready",
                                      transfers=[{"to": files[2].path}])
     Replica.objects.create(deployment=used, node=remote, port=20999, state="ready")
-    starting = Deployment.objects.create(name="starting", model_path="/y", node=remote, state="planned")
+    lacking = {"file": str(uuid.uuid4()), "to": str(root / "new.gguf"), "sha256": "1" * 64, "size": 10,
+               "repo_path": "new.gguf"}  # a start that fetches weights is told what it may free for them
+    starting = Deployment.objects.create(name="starting", model_path="/y", node=remote, state="planned",
+                                         transfers=[lacking])
     queues.to_node("start", Replica.objects.create(deployment=starting, node=remote, port=20998, state="planned"))
     job = claim(InlineClient(remote))
     assert job.kind == "start" and job.payload["freeable"] == [files[0].path, files[1].path]  # not the one in use
