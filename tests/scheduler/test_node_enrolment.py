@@ -92,11 +92,11 @@ def test_a_token_enrols_a_new_node_once_and_its_credential_is_the_nodes(staff):
     _, token = enrolment.issue_token(audit.Actor(user=staff), ttl_seconds=600)
     assert token.startswith("bne_")
 
-    first = enrol(token, name="gpu-07", address="10.0.0.7")
+    first = enrol(token, name="gpu-07", address="127.0.0.7")
     assert first.status_code == 201, first.content
     body = first.json()
     node = Node.objects.get(name="gpu-07")
-    assert body["node"] == {"id": str(node.public_id), "name": "gpu-07"} and node.address == "10.0.0.7"
+    assert body["node"] == {"id": str(node.public_id), "name": "gpu-07"} and node.address == "127.0.0.7"
     assert body["credential"].startswith("bnc_") and enrolment.authenticate(body["credential"]) == node
     assert node.credential_state == "active" and bytes(node.credential_digest) != body["credential"].encode()
     row = EnrolmentToken.objects.get()
@@ -206,7 +206,7 @@ def test_another_token_cannot_take_the_name_of_an_enrolled_node(cpu_node, staff)
     with pytest.raises(NodeNameTaken):  # said when it is asked for
         enrolment.issue_token(actor, name="cpu-01")
     _, anonymous = enrolment.issue_token(actor)  # the agent names itself: refused when it tries
-    answer = enrol(anonymous, name="cpu-01", address="10.9.9.9")
+    answer = enrol(anonymous, name="cpu-01", address="127.0.0.9")
     assert answer.status_code == 409 and code_of(answer) == "node_name_taken"
     assert EnrolmentToken.objects.get(lookup=anonymous.split("_")[1]).used_at is None
     cpu_node.refresh_from_db()
@@ -219,7 +219,7 @@ def test_another_token_cannot_take_the_name_of_an_enrolled_node(cpu_node, staff)
 
 def test_a_plain_token_may_name_a_node_from_before_enrolment(cpu_node, staff):
     _, token = enrolment.issue_token(audit.Actor(user=staff), name="cpu-01")
-    answer = enrol(token, address="10.0.0.1")
+    answer = enrol(token, address="127.0.0.11")
     assert answer.status_code == 201 and answer.json()["node"]["id"] == str(cpu_node.public_id)
 
 

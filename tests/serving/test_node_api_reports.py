@@ -57,7 +57,7 @@ def test_a_heartbeat_under_another_nodes_name_is_refused_and_audited():
     mine, _ = _node("node-a")
     _, theirs = _node("node-b")
     beaten = mine.last_heartbeat_at
-    report = {**_report("node-a"), "address": "198.51.100.7"}
+    report = {**_report("node-a"), "address": "127.0.0.8"}
     answer = _beat(theirs, {"report": report, "engines": []})
     assert answer.status_code == 403 and answer.json()["error"]["code"] == "node_ownership_mismatch"
     mine.refresh_from_db()
