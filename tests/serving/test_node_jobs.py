@@ -443,50 +443,52 @@ def waiting(monkeypatch):
     return event
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_waiting_claim_returns_at_once_when_this_process_queues_a_job(handler, waiting):
-    node = make_node()
+def claim_while(waiting, node, queue_job):
+    """Start a claim, queue a job (by `queue_job`) once it waits; answer how long after that it returned."""
     outcome = {}
     thread = claim_in_thread(node, 10, outcome)
     assert waiting.wait(10), "the claim did not wait"
-    with transaction.atomic():  # another transaction than the claim's, on another connection
-        job = queue(node, "k")
+    job = queue_job()
     queued_at = time.monotonic()
     thread.join(15)
     assert "error" not in outcome, outcome
     assert outcome["claimed"][0].pk == job.pk
-    assert outcome["returned_at"] - queued_at < 0.2
+    return outcome["returned_at"] - queued_at
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_waiting_claim_returns_at_once_when_this_process_queues_a_job(handler, waiting):
+    node = make_node()
+
+    def queue_here():
+        with transaction.atomic():  # another transaction than the claim's, on another connection
+            return queue(node, "k")
+
+    assert claim_while(waiting, node, queue_here) < 0.2
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_waiting_claim_hears_of_a_job_another_process_queued_at_once(handler, waiting):
     node = make_node()
-    outcome = {}
-    thread = claim_in_thread(node, 10, outcome)
-    assert waiting.wait(10), "the claim did not wait"
-    # Written as another process would: its announcement goes over Redis (without Redis: the next look).
-    job = NodeJob.objects.create(node=node, kind=ECHO, idempotency_key="elsewhere", priority=NodeJob.BULK)
-    events.publish(queues.node_jobs_channel(node.pk), "1")
-    queued_at = time.monotonic()
-    thread.join(15)
-    assert "error" not in outcome, outcome
-    assert outcome["claimed"][0].pk == job.pk
-    assert outcome["returned_at"] - queued_at < 0.2
+
+    def queue_elsewhere():
+        # Written as another process would: its announcement goes over Redis (without Redis: the next look).
+        job = NodeJob.objects.create(node=node, kind=ECHO, idempotency_key="elsewhere", priority=NodeJob.BULK)
+        events.publish(queues.node_jobs_channel(node.pk), "1")
+        return job
+
+    assert claim_while(waiting, node, queue_elsewhere) < 0.2
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_job_whose_announcement_was_lost_is_found_at_the_next_look(handler, waiting):
     node = make_node()
-    outcome = {}
-    thread = claim_in_thread(node, 10, outcome)
-    assert waiting.wait(10), "the claim did not wait"
-    job = NodeJob.objects.create(node=node, kind=ECHO, idempotency_key="unannounced", priority=NodeJob.BULK)
-    queued_at = time.monotonic()
-    thread.join(15)
-    assert "error" not in outcome, outcome
-    assert outcome["claimed"][0].pk == job.pk
+
+    def queue_unannounced():
+        return NodeJob.objects.create(node=node, kind=ECHO, idempotency_key="unannounced", priority=NodeJob.BULK)
+
     look = node_jobs.REDIS_LOOK_SECONDS if settings.REDIS_URL else node_jobs.POLL_SECONDS
-    assert outcome["returned_at"] - queued_at < look + 0.3
+    assert claim_while(waiting, node, queue_unannounced) < look + 0.3
 
 
 @pytest.mark.django_db(transaction=True)
