@@ -70,6 +70,34 @@ class ModelDirectoryReport:
     weights: tuple[HeldWeightReport, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineReport:
+    kind: str
+    version: str
+    source: str = ""
+    path: str = ""
+    state: str = "ready"  # NodeEngine.State.READY: the tables stay out of the wire shapes
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeReport:
+    """What a node says of itself. ``None`` means "not measured", never zero."""
+
+    name: str
+    address: str
+    cpu_count: int | None = None
+    memory_total_bytes: int | None = None
+    memory_available_bytes: int | None = None
+    agent_version: str = ""
+    engines: tuple[EngineReport, ...] = ()
+    cpu_load_1m: float | None = None
+    unified_memory: bool = False
+    # None: this report did not look (the rows stay as they are); a discovery with no GPUs: none.
+    gpus: GpuDiscovery | None = None
+    model_directories: tuple[ModelDirectoryReport, ...] | None = None
+
+
 def from_wire(cls, data: Any, where: str = ""):
     """A report (``cls``, one of these frozen dataclasses or ``scheduler.services.NodeReport``) from
     its JSON form, ``dataclasses.asdict``'s: nested reports and tuples of them included. A field of

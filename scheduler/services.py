@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import timedelta
 
 from django.conf import settings
@@ -15,36 +14,8 @@ from scheduler.models import (
     Accelerator, AcceleratorSample, HeldWeight, ModelDirectory, Node, NodeEngine, NodeSample,
 )
 from scheduler.nvml import gpu_class, mig_class
-from scheduler.reports import GpuDiscovery, GpuReport, ModelDirectoryReport
+from scheduler.reports import EngineReport, GpuDiscovery, GpuReport, ModelDirectoryReport, NodeReport
 from tenancy import audit
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineReport:
-    kind: str
-    version: str
-    source: str = ""
-    path: str = ""
-    state: str = NodeEngine.State.READY
-    detail: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeReport:
-    """What a node says of itself. ``None`` means "not measured", never zero."""
-
-    name: str
-    address: str
-    cpu_count: int | None = None
-    memory_total_bytes: int | None = None
-    memory_available_bytes: int | None = None
-    agent_version: str = ""
-    engines: tuple[EngineReport, ...] = ()
-    cpu_load_1m: float | None = None
-    unified_memory: bool = False
-    # None: this report did not look (the rows stay as they are); a discovery with no GPUs: none.
-    gpus: GpuDiscovery | None = None
-    model_directories: tuple[ModelDirectoryReport, ...] | None = None
 
 
 def register_node(report: NodeReport) -> Node:
@@ -284,8 +255,7 @@ def set_labels(node: Node, actor: audit.Actor, labels: dict) -> Node:
 
 
 def record_engine(node: Node, engine: EngineReport) -> NodeEngine:
-    if engine.kind not in NodeEngine.Kind.values:
-        raise InvalidNodeReport(f"Unknown engine kind {engine.kind!r}.", details={"kinds": NodeEngine.Kind.values})
+    """One engine of a validated report (``_validate``) as the node's row."""
     row, _ = NodeEngine.objects.update_or_create(
         node=node, kind=engine.kind,
         defaults={"version": engine.version, "source": engine.source, "path": engine.path,
@@ -312,5 +282,23 @@ def _validate(report: NodeReport) -> None:
         value = getattr(report, field)
         if value is not None and value < 0:
             problems[field] = "Must be absent (not measured) or zero and above."
+    engine_problems = [_engine_problem(engine) for engine in report.engines]
+    if any(engine_problems):
+        problems["engines"] = "; ".join(problem for problem in engine_problems if problem)
     if problems:
         raise InvalidNodeReport("The node report is invalid.", details=problems)
+
+
+def _engine_problem(engine: EngineReport) -> str:
+    """What is wrong with one engine a node reports (a node's word is checked like any input), or ""."""
+    if engine.kind not in NodeEngine.Kind.values:
+        return f"unknown engine kind {engine.kind!r} (known: {', '.join(NodeEngine.Kind.values)})"
+    if engine.state not in NodeEngine.State.values:
+        return f"{engine.kind}: unknown state {engine.state!r} (known: {', '.join(NodeEngine.State.values)})"
+    for field in ("version", "source", "path"):
+        limit = NodeEngine._meta.get_field(field).max_length
+        if len(getattr(engine, field) or "") > limit:
+            return f"{engine.kind}: {field} is longer than {limit} characters"
+    if not engine.version:
+        return f"{engine.kind}: a version is needed"
+    return ""

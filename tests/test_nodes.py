@@ -48,9 +48,17 @@ def test_invalid_report_lists_every_problem():
     assert not Node.objects.exists()
 
 
-def test_unknown_engine_kind_is_refused():
-    with pytest.raises(InvalidNodeReport, match="Unknown engine kind 'tgi'"):
-        register_node(NodeReport(name="n", address="127.0.0.1", engines=(EngineReport(kind="tgi", version="1"),)))
+@pytest.mark.parametrize("engine, problem", [
+    (EngineReport(kind="tgi", version="1"), "unknown engine kind 'tgi'"),
+    (EngineReport(kind="llamacpp", version="1", state="melted"), "llamacpp: unknown state 'melted'"),
+    (EngineReport(kind="llamacpp", version="1" * 129), "llamacpp: version is longer than 128 characters"),
+    (EngineReport(kind="llamacpp", version=""), "llamacpp: a version is needed"),
+])
+def test_an_engine_the_node_cannot_have_is_refused_before_anything_is_written(engine, problem):
+    with pytest.raises(InvalidNodeReport) as failure:
+        register_node(NodeReport(name="n", address="127.0.0.1", engines=(engine,)))
+    assert problem in failure.value.details["engines"]
+    assert not Node.objects.exists()
 
 
 def test_bootstrap_creates_one_administrator_and_shows_the_password_once(capsys, llama_server_binary):

@@ -91,11 +91,6 @@ class IsNode(permissions.BasePermission):
         return isinstance(request.auth, Node) and isinstance(request.user, NodePrincipal)
 
 
-def node_actor(request) -> NodeActor:
-    """The audit actor of a node's request."""
-    return request.user.actor
-
-
 def refuse_foreign(node: Node, what: str, obj) -> None:
     """Refuse ``node``'s attempt (``what``, e.g. "complete job") on ``obj``, which is another node's:
     audited as ``node.ownership_mismatch``, then 403 ``node_ownership_mismatch``.

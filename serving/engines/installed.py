@@ -1,4 +1,5 @@
-"""The engines this machine has, as the node reports them to the scheduler."""
+"""The engines this machine has, as the node reports them to the scheduler (in the report's own words:
+the agent reads no table; the control plane checks the kinds and states against ``NodeEngine``'s)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from scheduler.models import NodeEngine
-from scheduler.services import EngineReport
+from scheduler.reports import EngineReport
 from serving.engines import build_llamacpp
 
 
@@ -21,11 +21,11 @@ def local_engines() -> list[EngineReport]:
     reports = []
     llamacpp = build_llamacpp.installed(Path(settings.ENGINE_CACHE_DIR))
     if llamacpp:
-        reports.append(EngineReport(kind=NodeEngine.Kind.LLAMACPP, version=llamacpp.version,
+        reports.append(EngineReport(kind="llamacpp", version=llamacpp.version,
                                     source=llamacpp.source, path=str(llamacpp.path)))
     elif llama_server_path():
-        reports.append(EngineReport(kind=NodeEngine.Kind.LLAMACPP, version="unknown",
-                                    path=str(llama_server_path()), state=NodeEngine.State.BROKEN,
+        reports.append(EngineReport(kind="llamacpp", version="unknown",
+                                    path=str(llama_server_path()), state="broken",
                                     detail="The cached llama-server does not run; rebuild it with "
                                            "`manage.py engines build llamacpp --force`."))
     return reports

@@ -15,7 +15,7 @@ from django.conf import settings
 import berth
 from scheduler.nvml import DeviceMemory, discover_gpus, load_pynvml, read_device_memory
 from scheduler.reports import HeldWeightReport, ModelDirectoryReport
-from scheduler.services import NodeReport
+from scheduler.reports import NodeReport
 from serving.engines.installed import local_engines
 
 AGENT_VERSION = getattr(berth, "__version__", "0.1.0")
