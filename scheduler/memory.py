@@ -119,8 +119,11 @@ def raw_estimate(shape: ModelShape, engine: str, config, accelerator: Accelerato
 def observations(model_key: str, engine: str, engine_version: str, device: str) -> list[calibration.Observation]:
     rows = CalibrationRecord.objects.filter(model_key=model_key, engine=engine, engine_version=engine_version,
                                             device=device).order_by("-created_at", "-id")[:100]
-    return [calibration.Observation(config=r.config, estimated_bytes=r.estimated_bytes, measured_bytes=r.measured_bytes,
-                                    outcome=r.outcome, record_id=str(r.public_id)) for r in rows]
+    # Plain values: a deploy reads these up to twice, and whole rows cost more than the estimate itself.
+    return [calibration.Observation(config=config, estimated_bytes=estimated, measured_bytes=measured,
+                                    outcome=outcome, record_id=str(public_id))
+            for config, estimated, measured, outcome, public_id in rows.values_list(
+                "config", "estimated_bytes", "measured_bytes", "outcome", "public_id")]
 
 
 def calibrated_estimate(shape: ModelShape, engine: str, config, *, engine_version: str = "",

@@ -249,14 +249,15 @@ def _seal(job: NodeJob) -> str | None:
     """Lease the queued ``job`` to its claim: the update's row count decides who holds it."""
     lease = LEASE_PREFIX + secrets.token_urlsafe(32)
     now = timezone.now()
-    expires = now + timedelta(seconds=settings.SERVING_NODE_LEASE_SECONDS)
-    sealed = NodeJob.objects.filter(pk=job.pk, state=NodeJob.State.QUEUED).update(
-        state=NodeJob.State.LEASED, attempts=F("attempts") + 1, lease_digest=_digest(lease), leased_at=now,
-        lease_expires_at=expires)
-    if not sealed:
+    sealed = {"state": NodeJob.State.LEASED, "lease_digest": _digest(lease), "leased_at": now,
+              "lease_expires_at": now + timedelta(seconds=settings.SERVING_NODE_LEASE_SECONDS)}
+    if not NodeJob.objects.filter(pk=job.pk, state=NodeJob.State.QUEUED).update(attempts=F("attempts") + 1,
+                                                                                 **sealed):
         return None
-    job.refresh_from_db(fields=["state", "attempts", "lease_digest", "leased_at", "lease_expires_at",
-                                "cancel_requested"])
+    # The claim holds the row's lock (select_for_update): what it read is the row, one attempt on.
+    for name, value in sealed.items():
+        setattr(job, name, value)
+    job.attempts += 1
     return lease
 
 
@@ -336,11 +337,12 @@ def complete(node, job_id, lease, result: dict | None) -> dict:
     transaction; the handler's answer is the node's."""
     job = _job_of(node, job_id, "complete job")
     result = result or {}
+    done = {"state": NodeJob.State.DONE, "result": result, "finished_at": timezone.now(), "lease_digest": ""}
     with transaction.atomic():
-        if not _held(job, lease).update(state=NodeJob.State.DONE, result=result, finished_at=timezone.now(),
-                                        lease_digest=""):
+        if not _held(job, lease).update(**done):
             raise _stale(job)
-        job.refresh_from_db()
+        for name, value in done.items():  # the rest of the row is as read: a leased job's payload stays
+            setattr(job, name, value)
         return _handler(job.kind).complete(job, result) or {}
 
 

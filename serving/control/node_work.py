@@ -174,7 +174,7 @@ def _admit(replica: Replica) -> dict:
                               accelerators_of(deployment), description=f"{deployment.name} ({deployment.engine})")
     except BerthError as error:
         failures.record(replica, f"no longer fits at its turn: {error.message}")
-        transaction.on_commit(lambda: admit_next(replica.node_id))  # it will not start: the next in line may
+        _admit_next_once_committed(replica)  # it will not start: the next in line may
         return {"admitted": False}
     return {"admitted": True, **_launch(replica)}
 
@@ -213,33 +213,42 @@ def _loaded(job: NodeJob, result: dict) -> dict:
     outcome = result.get("outcome")
     if replica is None or outcome == "queued":
         return {}  # (queued: it waits its turn, and ``admit_next`` sends it again then)
-    try:
-        if outcome == "ready" and replica.state == S.LOADING:  # (not stopped while it loaded)
-            peak = result.get("peak_memory_bytes")
-            if states.move(replica, S.READY, "health answered and a real request succeeded", peak_memory_bytes=peak):
-                recovery_service.note_success(replica.deployment.name)
-                # What the load taught, once it is ready for all to see (reading the model takes a while).
-                transaction.on_commit(lambda: failures.calibrate(replica, peak, _gpu_taken(replica, result.get("gpu"))
-                                                                 if replica.deployment.gpu_uuids else None))
-        elif outcome == "stopped":
-            _finish_stop_while_starting(replica)
-    finally:
-        admit_next(replica.node_id)
+    _admit_next_once_committed(replica)
+    if outcome == "ready" and replica.state == S.LOADING:  # (not stopped while it loaded)
+        peak = result.get("peak_memory_bytes")
+        if states.move(replica, S.READY, "health answered and a real request succeeded", peak_memory_bytes=peak,
+                       **_load_stamps(result.get("load_seconds"))):
+            recovery_service.note_success(replica.deployment.name)
+            # What the load taught, once it is ready for all to see (reading the model takes a while).
+            transaction.on_commit(lambda: failures.calibrate(replica, peak, _gpu_taken(replica, result.get("gpu"))
+                                                             if replica.deployment.gpu_uuids else None))
+    elif outcome == "stopped":
+        _finish_stop_while_starting(replica)
     return {}
+
+
+def _load_stamps(load_seconds) -> dict:
+    """``started_at`` and ``ready_at`` a load's own length apart, as the node timed it from its engine's
+    launch to its readiness (its clock is not ours, but a length on it is): the reports' round trips
+    are no part of the engine's load. Nothing when the node did not time it (an engine an earlier agent
+    launched) or said something no load takes."""
+    if isinstance(load_seconds, bool) or not isinstance(load_seconds, (int, float)) \
+            or not 0 <= load_seconds <= settings.SERVING_STARTUP_TIMEOUT_SECONDS:
+        return {}
+    now = timezone.now()
+    return {"started_at": now - timedelta(seconds=load_seconds), "ready_at": now}
 
 
 def _load_failed(job: NodeJob, error: str, details: dict) -> dict:
     replica = _replica(job)
     if replica is None:
         return {}
-    try:
-        # A replica stopped meanwhile is its stop's: an engine its stop ended is no failure of the model.
-        if replica.state not in (*TERMINAL, S.STOPPING):
-            failures.record(replica, error, log_tail=str(details.get("log_tail") or ""),
-                            exit=exit_of(details.get("exit")), launch_failure=str(details.get("launch_failure") or ""))
-        _finish_stop_while_starting(replica)
-    finally:
-        admit_next(replica.node_id)
+    _admit_next_once_committed(replica)
+    # A replica stopped meanwhile is its stop's: an engine its stop ended is no failure of the model.
+    if replica.state not in (*TERMINAL, S.STOPPING):
+        failures.record(replica, error, log_tail=str(details.get("log_tail") or ""),
+                        exit=exit_of(details.get("exit")), launch_failure=str(details.get("launch_failure") or ""))
+    _finish_stop_while_starting(replica)
     return {}
 
 
@@ -331,7 +340,7 @@ def _stop_claimed(job: NodeJob) -> dict | None:
         return None  # stopped meanwhile (its start stopped its engine, or another stop did)
     if not replica.handle:  # no engine of it is known to run on the node
         states.move(replica, S.STOPPED, "stopped: no engine of it was running")
-        transaction.on_commit(lambda: admit_next(replica.node_id))
+        _admit_next_once_committed(replica)
         return None
     return {"handle": replica.handle, "then": STOPPED_THEN}
 
@@ -403,7 +412,7 @@ def _wake_claimed(job: NodeJob) -> dict | None:
         return None
     if timezone.now() >= gate.wake_deadline(replica):
         end_wake(replica, f"wake given up: not awake within {settings.SERVING_WAKE_TIMEOUT_SECONDS}s of being asked")
-        transaction.on_commit(lambda: admit_next(replica.node_id))
+        _admit_next_once_committed(replica)
         return None
     deployment = replica.deployment
     accelerators = accelerators_of(deployment)
@@ -412,7 +421,7 @@ def _wake_claimed(job: NodeJob) -> dict | None:
                               description=f"{deployment.name} (waking)")
     except BerthError as error:
         end_wake(replica, f"wake refused: {error.message}")
-        transaction.on_commit(lambda: admit_next(replica.node_id))  # starts behind it in line go on
+        _admit_next_once_committed(replica)  # starts behind it in line go on
         return None
     if not gate.claim_wake(replica):
         if replica.state == S.SLEEPING and replica.wake_requested_at is not None:
@@ -492,6 +501,13 @@ def admit_next(node_id: int) -> None:
     waiting = gate.next_in_line(node_id)
     if waiting is not None:
         queues.to_node(WAKE if waiting.state == S.SLEEPING else START, waiting)
+
+
+def _admit_next_once_committed(replica: Replica) -> None:
+    """The next in line on ``replica``'s node is sent once what freed its slot (or gave up its turn)
+    commits: that end is seen without waiting on the line, and a rolled-back one frees nothing (each
+    heartbeat looks again)."""
+    transaction.on_commit(lambda: admit_next(replica.node_id), robust=True)
 
 
 def register() -> None:

@@ -108,17 +108,21 @@ def _launch_and_watch(job: Job, launch: dict) -> None:
         log.exception("starting %s failed", spec.replica_id)
         job.fail(f"could not start: {error}", {"launch_failure": "crash"})
         return
+    launched = time.monotonic()
     if not job.report("launched", {"handle": dataclasses.asdict(handle)}).get("go"):
         runtime.stop(handle, grace_seconds=5)  # stopped while starting: do not leave it running
         job.complete({"outcome": "stopped"})
         return
-    _watch(job, launch, handle, before=before)
+    _watch(job, launch, handle, before=before, launched=launched)
 
 
-def _watch(job: Job, launch: dict, handle: Handle, *, before: dict[str, DeviceMemory] | None) -> None:
+def _watch(job: Job, launch: dict, handle: Handle, *, before: dict[str, DeviceMemory] | None,
+           launched: float | None = None) -> None:
     """Loading → ready once /health answers 200 and one real request succeeds; failed when the
     engine exits, memory runs short, or the start-up timeout passes. Once ready, what the load took
-    is measured (``before``: the GPUs as read before the engine started; an adopted engine has none)."""
+    is measured (``before``: the GPUs as read before the engine started; an adopted engine has none),
+    and how long (``launched``: this clock's reading once the runtime had started it; the control
+    plane's clock is not this one, and its reports' round trips are no part of the engine's load)."""
     spec = _spec(launch)
     runtime, engine = runtime_for(handle.runtime), engine_for(spec.engine)
     base = f"http://{spec.host}:{spec.port}"
@@ -150,6 +154,7 @@ def _watch(job: Job, launch: dict, handle: Handle, *, before: dict[str, DeviceMe
             if _ready(http, base, headers, engine, spec, launch.get("task") or "chat"):
                 peak = runtime.status(handle).peak_memory_bytes
                 job.complete({"outcome": "ready", "peak_memory_bytes": peak,
+                              "load_seconds": None if launched is None else time.monotonic() - launched,
                               "gpu": _gpu_readings(spec, handle, before) if spec.gpu_uuids else None})
                 return
             if time.monotonic() > deadline:
