@@ -6,13 +6,18 @@ next request is served (the pool checks a connection before handing it over)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
 import pytest
+import redis
+from django.conf import settings
 from django.db import connection
 
 from scheduler import enrolment
+from scheduler.models import Node
+from serving import queues
 from tenancy.audit import Actor
 from tests.assets.database import database_environ
 from tests.assets.tcp_proxy import TcpProxy
@@ -62,3 +67,34 @@ def test_requests_share_the_pools_connections_and_ride_out_a_database_restart(we
         # first request once the database answers again is served.
         wait_until(lambda: client.get("/healthz").status_code == 200, 30, what="the web process answering")
         assert client.get("/api/node/self/").status_code == 200
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="waiting claims are counted as their Redis subscriptions")
+def test_claims_waiting_for_work_hold_none_of_the_pools_connections(proxy, artifacts_dir):
+    web = GatewayProcess(artifacts_dir / "web-database-pool-small.log", environ={
+        **database_environ(connection.settings_dict, host=proxy.host, port=proxy.port),
+        "BERTH_DATABASE_POOL_SIZE": "2"})
+    try:
+        credential = enrolment.issue_credential(Actor(system="test"), "waiting", address="127.0.0.1")
+        headers = {"Authorization": f"Bearer {credential}"}
+        channel = queues.node_jobs_channel(Node.objects.get(name="waiting").pk)
+        answers: list[int] = []
+
+        def claim():
+            answers.append(httpx.post(f"{web.base_url}/api/node/jobs/claim/", json={"wait": 8}, headers=headers,
+                                      timeout=30).status_code)
+
+        claims = [threading.Thread(target=claim) for _ in range(4)]  # as many as an agent keeps waiting
+        for thread in claims:
+            thread.start()
+        subscribers = redis.Redis.from_url(settings.REDIS_URL)
+        wait_until(lambda: subscribers.pubsub_numsub(channel)[0][1] == 4, 30, what="four claims waiting")
+        # Twice the pool's size waits; another request is answered at once, not after the pool's timeout.
+        started = time.monotonic()
+        assert httpx.get(f"{web.base_url}/api/node/self/", headers=headers, timeout=30).status_code == 200
+        assert time.monotonic() - started < 2
+        for thread in claims:
+            thread.join(30)
+        assert answers == [204] * 4
+    finally:
+        web.stop()
