@@ -6,13 +6,19 @@ DRF's own exceptions, Django's 404 and permission errors and our ``BerthError`` 
 
 from __future__ import annotations
 
+import logging
+
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.db import InterfaceError, OperationalError
 from django.http import Http404
 from rest_framework import exceptions as drf
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.response import Response
 
 from berth.errors import BerthError
+
+log = logging.getLogger(__name__)
+DATABASE_RETRY_SECONDS = 5
 
 # DRF's exception classes mapped to our stable codes (DRF's own codes are not a contract of ours).
 _DRF_CODES = {
@@ -36,6 +42,14 @@ def error_body(code: str, message: str, details=None) -> dict:
 def exception_handler(exc, context):
     if isinstance(exc, BerthError):
         return Response(error_body(exc.code, exc.message, exc.details), status=exc.status)
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        # The database away (restarting, unreachable, the pool spent) or a transaction it rolled back
+        # (a deadlock, a timeout): no bug of the request's, and one to try again, as the gateway says it.
+        log.warning("%s %s: the database did not answer (%s)", context["request"].method,
+                    context["request"].path, str(exc).strip()[:300])
+        return Response(error_body("database_unavailable", "The database did not answer this request (it may be "
+                                   "restarting or out of reach); try again in a few seconds."),
+                        status=503, headers={"Retry-After": str(DATABASE_RETRY_SECONDS)})
     if isinstance(exc, Http404):
         exc = drf.NotFound("No such object, or it is outside your reach.")
     elif isinstance(exc, DjangoPermissionDenied):

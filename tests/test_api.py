@@ -91,6 +91,22 @@ def test_unexpected_failure_is_a_500_in_the_error_format(client, admin_user, mon
     assert response.json()["error"]["code"] == "internal_error"
 
 
+def test_a_database_that_does_not_answer_is_a_503_to_try_again(client, admin_user, monkeypatch):
+    from django.db import OperationalError
+
+    from scheduler.api.views import NodeViewSet
+
+    def away(self, request, *args, **kwargs):
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(NodeViewSet, "list", away)
+    client.force_login(admin_user)
+    response = client.get("/api/scheduler/nodes/")
+    assert response.status_code == 503 and response["Retry-After"] == "5"
+    assert response.json()["error"]["code"] == "database_unavailable"
+    assert "connection refused" not in response.content.decode()  # the database's own words stay in the log
+
+
 def test_the_whole_schema_generates_without_errors(tmp_path, capsys):
     # An error means drf-spectacular could not describe a view at all and left it out of the docs.
     from django.core.management import call_command

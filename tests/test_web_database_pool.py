@@ -2,7 +2,8 @@
 on a thread of its own, so without a pool every console or node-API request connected anew. A real
 web process reaches the test database through a TCP proxy that counts its connections, and that the
 test cuts and restores: a database away is an error within seconds, and once it is back the very
-next request is served (the pool checks a connection before handing it over)."""
+next request is served (the pool checks a connection before handing it over). While it is away, the
+API answers 503 ``database_unavailable`` with Retry-After, as the gateway does."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def test_requests_share_the_pools_connections_and_ride_out_a_database_restart(we
 
         proxy.refuse()  # the open connections are cut, new ones refused
         started = time.monotonic()
-        away = client.get("/api/node/self/")
-        assert away.status_code == 500 and away.json()["error"]["code"] == "internal_error"
+        away = client.get("/api/node/self/")  # an API says plainly it cannot answer now, and when to ask again
+        assert away.status_code == 503, away.text
+        assert away.json()["error"]["code"] == "database_unavailable" and away.headers["Retry-After"] == "5"
         assert time.monotonic() - started < 15, "a database away must be an error within seconds"
 
         proxy.restore()
