@@ -142,7 +142,7 @@ else:
             # within seconds.
             DATABASES["default"]["CONN_MAX_AGE"] = 0
             options["pool"] = {"min_size": 2, "max_size": env.integer("BERTH_DATABASE_POOL_SIZE", 20, minimum=2),
-                               "timeout": 5}
+                               "timeout": 1}  # a request waits this long for one, then 503s
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if REDIS_URL:
