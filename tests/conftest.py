@@ -14,6 +14,7 @@ from tests.assets.gguf_models import ModelShape, write_gguf
 from tests.assets.llama_server import LlamaServer
 from tests.assets.personas import personas  # noqa: F401  (a fixture for every area)
 from tests.assets.smollm2 import smollm2_path
+from tests.assets.tcp_proxy import TcpProxy
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
@@ -131,3 +132,16 @@ def chromium_path() -> str:
     if not Path(path).is_file():
         pytest.fail(f"Chromium is not at {path}: `make test` installs it (apt-get install chromium).")
     return path
+
+
+@pytest.fixture
+def database_proxy():
+    """A TCP proxy in front of the suite's PostgreSQL test database, for a process the test starts
+    (``tests.assets.database.through(proxy)``: its database setting); the test cuts it (``refuse()``)
+    and restores it, while the test itself still reaches the database directly."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    proxy = TcpProxy(int(db["PORT"] or 5432), db["HOST"] or "127.0.0.1")
+    yield proxy
+    proxy.close()

@@ -18,9 +18,8 @@ from django.db import OperationalError, connection
 
 from berth.management.commands import serve
 from berth.supervisor import Supervisor
-from tests.assets.database import database_environ
+from tests.assets.database import database_environ, through
 from tests.assets.llama_server import free_port
-from tests.assets.tcp_proxy import TcpProxy
 from tests.assets.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,35 +143,29 @@ def test_a_killed_agent_is_restarted_with_its_reason_while_the_web_server_keeps_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_serve_waits_out_a_database_that_refuses_and_sigterm_then_stops_everything(tmp_path):
-    db = connection.settings_dict
+def test_serve_waits_out_a_database_that_refuses_and_sigterm_then_stops_everything(tmp_path, database_proxy):
     if connection.vendor == "sqlite":
         pytest.skip("the embedded SQLite file has no connection to refuse; "
                     "test_the_tick_says_once_that_the_database_is_away_and_goes_on covers the tick there")
-    proxy = TcpProxy(int(db["PORT"] or 5432), db["HOST"] or "127.0.0.1")
-    url = f"postgres://{db['USER']}@{proxy.host}:{proxy.port}/{db['NAME']}"
-    try:
-        with _serving(tmp_path, DATABASE_URL=url) as (group, output, port):
-            before = _started(output.read_text())
-            proxy.refuse()
-            wait_until(lambda: "The database does not answer" in output.read_text(), 30,
-                       what="serve saying the database is away")
-            # The outage lasts several of the 2 s ticks; the web server answers throughout.
-            outage_until = time.monotonic() + 5
-            wait_until(lambda: _get(port, "healthz") == 200 and time.monotonic() > outage_until, 30,
-                       what="an outage of five more seconds")
-            assert _get(port, "readyz") == 503
-            assert group.poll() is None, output.read_text()[-3000:]
-            proxy.restore()
-            wait_until(lambda: "The database answers again" in output.read_text(), 30, what="serve seeing it back")
-            wait_until(lambda: _readyz(port), 60, what="/readyz once the database is back")
-            text = output.read_text()
-            assert text.count("The database does not answer") == 1, text[-3000:]
-            assert _started(text)["web"] == before["web"], "the web server was restarted"
-            group.send_signal(signal.SIGTERM)
-            assert group.wait(timeout=60) == 0, output.read_text()[-3000:]
-    finally:
-        proxy.close()
+    with _serving(tmp_path, **through(database_proxy)) as (group, output, port):
+        before = _started(output.read_text())
+        database_proxy.refuse()
+        wait_until(lambda: "The database does not answer" in output.read_text(), 30,
+                   what="serve saying the database is away")
+        # The outage lasts several of the 2 s ticks; the web server answers throughout.
+        outage_until = time.monotonic() + 5
+        wait_until(lambda: _get(port, "healthz") == 200 and time.monotonic() > outage_until, 30,
+                   what="an outage of five more seconds")
+        assert _get(port, "readyz") == 503
+        assert group.poll() is None, output.read_text()[-3000:]
+        database_proxy.restore()
+        wait_until(lambda: "The database answers again" in output.read_text(), 30, what="serve seeing it back")
+        wait_until(lambda: _readyz(port), 60, what="/readyz once the database is back")
+        text = output.read_text()
+        assert text.count("The database does not answer") == 1, text[-3000:]
+        assert _started(text)["web"] == before["web"], "the web server was restarted"
+        group.send_signal(signal.SIGTERM)
+        assert group.wait(timeout=60) == 0, output.read_text()[-3000:]
     text = output.read_text()
     assert "stopping: SIGTERM" in text
     assert all(_gone(pid) for pids in _started(text).values() for pid in pids)

@@ -18,3 +18,11 @@ def database_environ(db: dict, host: str | None = None, port: int | None = None)
     host = host or db["HOST"]
     port = port or db["PORT"]
     return {"DATABASE_URL": f"postgres://{db['USER']}@{host}:{port}/{db['NAME']}"}
+
+
+def through(proxy) -> dict:
+    """``database_environ`` for a process that reaches the suite's PostgreSQL through ``proxy`` (the
+    ``database_proxy`` fixture), which the test cuts and restores."""
+    from django.db import connection
+
+    return database_environ(connection.settings_dict, host=proxy.host, port=proxy.port)

@@ -17,8 +17,7 @@ from django.db import connection
 from gateway.models import UsageRecord
 from gateway.tasks import retry_usage
 from tenancy.services import clients
-from tests.assets.database import database_environ
-from tests.assets.tcp_proxy import TcpProxy
+from tests.assets.database import through
 from tests.assets.waiting import wait_until
 from tests.gateway.conftest import GatewayProcess
 
@@ -31,23 +30,14 @@ STALE_SECONDS = 12  # ...and trusted this much longer while the database cannot 
 
 
 @pytest.fixture
-def proxy():
-    db = connection.settings_dict
-    proxy = TcpProxy(int(db["PORT"] or 5432), db["HOST"] or "127.0.0.1")
-    yield proxy
-    proxy.close()
-
-
-@pytest.fixture
-def gateway_via_proxy(proxy, artifacts_dir):
-    process = GatewayProcess(artifacts_dir / "gateway-db-outage.log",
-                             environ=database_environ(connection.settings_dict, host=proxy.host, port=proxy.port),
+def gateway_via_proxy(database_proxy, artifacts_dir):
+    process = GatewayProcess(artifacts_dir / "gateway-db-outage.log", environ=through(database_proxy),
                              auth_cache_seconds=CACHE_SECONDS, auth_stale_seconds=STALE_SECONDS)
     yield process
     process.stop()
 
 
-def test_known_keys_ride_out_a_database_outage_and_unknown_ones_get_503(gateway_via_proxy, proxy, tiny_engine,
+def test_known_keys_ride_out_a_database_outage_and_unknown_ones_get_503(gateway_via_proxy, database_proxy, tiny_engine,
                                                                         deploy, make_key, tree):
     gateway = gateway_via_proxy
     deploy("tiny", tiny_engine, task="completion")
@@ -73,7 +63,7 @@ def test_known_keys_ride_out_a_database_outage_and_unknown_ones_get_503(gateway_
     wait_until(lambda: ask(known, "before").status_code == 200, 30, what="the gateway serving tiny")
     assert ask(revoked_meanwhile, "before").status_code == 200
 
-    proxy.refuse()
+    database_proxy.refuse()
     outage_began = len(served)
 
     # The known key's reading expires within a second; the database is asked, refuses, and the key is
@@ -108,7 +98,7 @@ def test_known_keys_ride_out_a_database_outage_and_unknown_ones_get_503(gateway_
     during = served[outage_began:]
     assert len(during) >= 2
 
-    proxy.restore()
+    database_proxy.restore()
     wait_until(lambda: ask(unseen, "after").status_code == 200, 30, interval=0.5,
                what="the unseen key served once the database is back")
     assert ask(known, "after").status_code == 200
