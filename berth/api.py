@@ -43,7 +43,7 @@ def exception_handler(exc, context):
     if isinstance(exc, BerthError):
         return Response(error_body(exc.code, exc.message, exc.details), status=exc.status)
     if isinstance(exc, (OperationalError, InterfaceError)):
-        # The database away (restarting, unreachable, the pool spent) or a transaction it rolled back
+        # The database away (restarting, out of reach) or a transaction it rolled back
         # (a deadlock, a timeout): no bug of the request's, and one to try again, as the gateway says it.
         log.warning("%s %s: the database did not answer (%s)", context["request"].method,
                     context["request"].path, str(exc).strip()[:300])

@@ -3,8 +3,6 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "berth.settings")
-# A web process pools its PostgreSQL connections (settings.py says why); workers and commands keep theirs.
-os.environ.setdefault("BERTH_DATABASE_POOL", "1")
 
 django_application = get_asgi_application()
 

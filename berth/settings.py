@@ -132,17 +132,7 @@ else:
         # A database that does not answer is an error within seconds, not a request held until the
         # kernel gives up on the connection (what rides it out — the gateway's keys and routing, the
         # supervisor — needs the error to act on).
-        options = DATABASES["default"].setdefault("OPTIONS", {})
-        options.setdefault("connect_timeout", 5)
-        if env.boolean("BERTH_DATABASE_POOL", False):
-            # Set by berth.asgi for the web process: Django runs each request's sync code on a thread
-            # of its own under ASGI, so a persistent connection never outlives its request there and
-            # each request would connect anew (~10 ms). A pool hands one over; each is checked first
-            # (CONN_HEALTH_CHECKS), so a restarted database costs no request, and one away is an error
-            # within seconds.
-            DATABASES["default"]["CONN_MAX_AGE"] = 0
-            options["pool"] = {"min_size": 2, "max_size": env.integer("BERTH_DATABASE_POOL_SIZE", 20, minimum=2),
-                               "timeout": 1}  # a request waits this long for one, then 503s
+        DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout", 5)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if REDIS_URL:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import redis
 from django.conf import settings
 from django.core.cache import cache
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -173,16 +173,7 @@ def claim(node, *, wait_seconds: float, agent: str = "") -> tuple[NodeJob, str] 
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            _let_go_of_the_database()
             wait(left)
-
-
-def _let_go_of_the_database() -> None:
-    """A waiting claim holds no database connection: with a pool (the web process's), its connection
-    goes back for other requests while it waits (each agent keeps four claims waiting, up to
-    ``MAX_CLAIM_SECONDS`` each), and the next look takes one again. Without a pool it is kept."""
-    if getattr(connection, "pool", None) is not None and not connection.in_atomic_block:
-        connection.close()
 
 
 @contextlib.contextmanager
